@@ -1,0 +1,203 @@
+// Python binding: argument checks, output allocation, mask-bound preprocessing and dispatch to
+// the (head dim, dtype) instantiations that this build compiled.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "launch.h"
+#include "mask_bounds.h"
+#include "tile_config.h"
+
+namespace flashmask {
+namespace {
+
+constexpr int kHeadDims[] = {
+#ifdef FLASHMASK_HDIM32
+    32,
+#endif
+#ifdef FLASHMASK_HDIM64
+    64,
+#endif
+#ifdef FLASHMASK_HDIM96
+    96,
+#endif
+#ifdef FLASHMASK_HDIM128
+    128,
+#endif
+#ifdef FLASHMASK_HDIM192
+    192,
+#endif
+#ifdef FLASHMASK_HDIM256
+    256,
+#endif
+    0};  // sentinel: a build may compile no head dim at all
+
+std::vector<int64_t> compiled_head_dims() {
+    std::vector<int64_t> dims;
+    for (int d : kHeadDims) if (d) dims.push_back(d);
+    return dims;
+}
+
+std::vector<std::string> compiled_dtypes() {
+    std::vector<std::string> names;
+#ifdef FLASHMASK_FP16
+    names.push_back("float16");
+#endif
+#ifdef FLASHMASK_BF16
+    names.push_back("bfloat16");
+#endif
+    return names;
+}
+
+bool dtype_compiled(at::ScalarType t) {
+#ifdef FLASHMASK_FP16
+    if (t == at::kHalf) return true;
+#endif
+#ifdef FLASHMASK_BF16
+    if (t == at::kBFloat16) return true;
+#endif
+    return false;
+}
+
+// The smallest compiled head dim that holds d (inputs are zero-padded up to it inside the kernel).
+int kernel_head_dim(int d) {
+    for (int k : kHeadDims) if (k && d <= k) return k;
+    TORCH_CHECK(false, "flashmask: head dim ", d, " is larger than every head dim this build compiled (",
+                c10::Join(", ", compiled_head_dims()), "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
+}
+
+using RunFn = void (*)(const AttnParams&, cudaStream_t);
+
+RunFn fwd_fn(int head_dim, at::ScalarType dtype) {
+    const bool half = dtype == at::kHalf;
+#define FLASHMASK_CASE(HDIM, DTYPE)                                            \
+    if (head_dim == HDIM && half == (std::string(#DTYPE) == "fp16")) return &run_fwd_hdim##HDIM##_##DTYPE;
+#if defined(FLASHMASK_HDIM32) && defined(FLASHMASK_FP16)
+    FLASHMASK_CASE(32, fp16)
+#endif
+#if defined(FLASHMASK_HDIM32) && defined(FLASHMASK_BF16)
+    FLASHMASK_CASE(32, bf16)
+#endif
+#if defined(FLASHMASK_HDIM64) && defined(FLASHMASK_FP16)
+    FLASHMASK_CASE(64, fp16)
+#endif
+#if defined(FLASHMASK_HDIM64) && defined(FLASHMASK_BF16)
+    FLASHMASK_CASE(64, bf16)
+#endif
+#if defined(FLASHMASK_HDIM96) && defined(FLASHMASK_FP16)
+    FLASHMASK_CASE(96, fp16)
+#endif
+#if defined(FLASHMASK_HDIM96) && defined(FLASHMASK_BF16)
+    FLASHMASK_CASE(96, bf16)
+#endif
+#if defined(FLASHMASK_HDIM128) && defined(FLASHMASK_FP16)
+    FLASHMASK_CASE(128, fp16)
+#endif
+#if defined(FLASHMASK_HDIM128) && defined(FLASHMASK_BF16)
+    FLASHMASK_CASE(128, bf16)
+#endif
+#if defined(FLASHMASK_HDIM192) && defined(FLASHMASK_FP16)
+    FLASHMASK_CASE(192, fp16)
+#endif
+#if defined(FLASHMASK_HDIM192) && defined(FLASHMASK_BF16)
+    FLASHMASK_CASE(192, bf16)
+#endif
+#if defined(FLASHMASK_HDIM256) && defined(FLASHMASK_FP16)
+    FLASHMASK_CASE(256, fp16)
+#endif
+#if defined(FLASHMASK_HDIM256) && defined(FLASHMASK_BF16)
+    FLASHMASK_CASE(256, bf16)
+#endif
+#undef FLASHMASK_CASE
+    TORCH_CHECK(false, "flashmask: no kernel compiled for head dim ", head_dim, " and dtype ", dtype);
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    for (const at::Tensor* t : {&q, &k, &v}) {
+        TORCH_CHECK(t->is_cuda(), "flashmask: q, k, v must be CUDA tensors");
+        TORCH_CHECK(t->dim() == 4, "flashmask: q, k, v must be [B, S, H, D]");
+        TORCH_CHECK(t->stride(-1) == 1, "flashmask: the last dimension of q, k, v must be contiguous");
+        TORCH_CHECK(t->scalar_type() == q.scalar_type(), "flashmask: q, k, v must share a dtype");
+        TORCH_CHECK(t->get_device() == q.get_device(), "flashmask: q, k, v must be on one device");
+    }
+    TORCH_CHECK(dtype_compiled(q.scalar_type()), "flashmask: dtype ", q.scalar_type(),
+                " is not compiled; this build has ", c10::Join(", ", compiled_dtypes()));
+    TORCH_CHECK(k.sizes() == v.sizes(), "flashmask: k and v must have the same shape");
+    TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "flashmask: q and k must share B and D");
+    TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flashmask: Hq must be a multiple of Hk");
+    const int64_t d = q.size(3);
+    TORCH_CHECK(d % 8 == 0 && d <= 256, "flashmask: head dim must be a multiple of 8 up to 256, got ", d);
+}
+
+void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
+    batch = t.stride(0);
+    row = t.stride(1);
+    head = t.stride(2);
+}
+
+}  // namespace
+
+// Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}.
+std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale) {
+    check_qkv(q, k, v);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    const int sk = k.size(1), hk = k.size(2);
+    at::Tensor out = at::empty({b, sq, hq, d}, q.options());
+    at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+    if (b == 0 || sq == 0 || hq == 0) return {out, lse};
+
+    const int head_dim = kernel_head_dim(d);
+    const FwdTile tile = fwd_tile(head_dim);
+    AttnParams p{};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+    set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+    set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    p.b = b; p.sq = sq; p.sk = sk; p.hq = hq; p.hk = hk; p.d = d;
+    p.q_per_kv_head = hq / hk;
+    p.softmax_scale = float(softmax_scale);
+    p.scale_log2 = float(softmax_scale * M_LOG2E);
+    p.causal = causal;
+    p.n_key_blocks = (sk + tile.block_n - 1) / tile.block_n;
+
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    at::Tensor mask, bounds;
+    if (startend_row_indices.has_value()) {
+        mask = startend_row_indices->contiguous();
+        TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4, "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
+        TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(), "flashmask: startend_row_indices must be on the device of q");
+        const int hm = mask.size(1), c = mask.size(3);
+        TORCH_CHECK(mask.size(0) == b && mask.size(2) == sk, "flashmask: startend_row_indices must be [B, Hm, Sk, C]");
+        TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
+        TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", c, " is invalid for causal=", causal);
+        bounds = at::empty({b, hm, p.n_key_blocks, kNumBounds}, mask.options());
+        launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), b * hm, sk, c, causal, sq, tile.block_n, stream);
+        p.mask = mask.data_ptr<int>();
+        p.bounds = bounds.data_ptr<int>();
+        p.mask_c = c;
+        p.hm = hm;
+        p.q_per_mask_head = hq / hm;
+    }
+    fwd_fn(head_dim, q.scalar_type())(p, stream);
+    return {out, lse};
+}
+
+}  // namespace flashmask
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "flashmask CUDA kernels";
+    m.def("fwd", &flashmask::fwd, "FlashMask attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"));
+    m.def("head_dims", &flashmask::compiled_head_dims);
+    m.def("dtypes", &flashmask::compiled_dtypes);
+}

@@ -1,0 +1,15 @@
+// Entry points of the per-(head dim, dtype) translation units, as plain C++ for the binding.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace flashmask {
+
+#define FLASHMASK_DECLARE(HDIM, DTYPE) void run_fwd_hdim##HDIM##_##DTYPE(const AttnParams&, cudaStream_t);
+#define FLASHMASK_FOR_ALL(X) X(32, fp16) X(32, bf16) X(64, fp16) X(64, bf16) X(96, fp16) X(96, bf16) \
+    X(128, fp16) X(128, bf16) X(192, fp16) X(192, bf16) X(256, fp16) X(256, bf16)
+FLASHMASK_FOR_ALL(FLASHMASK_DECLARE)
+#undef FLASHMASK_DECLARE
+
+}  // namespace flashmask

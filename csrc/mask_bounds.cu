@@ -1,0 +1,62 @@
+#include <c10/cuda/CUDAException.h>
+
+#include <climits>
+
+#include "mask_bounds.h"
+
+namespace flashmask {
+
+namespace {
+
+// One warp per key block: the lanes stride over the block's columns, then reduce.
+__global__ void mask_bounds_kernel(const int* __restrict__ mask, int* __restrict__ bounds, int total_blocks,
+                                   int n_blocks, int sk, int c, bool causal, int sq, int block_n) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= total_blocks) return;
+    const int n = warp % n_blocks;
+    const int* col = mask + int64_t(warp / n_blocks) * sk * c;
+    int lo[4] = {INT_MAX, INT_MAX, INT_MAX, INT_MAX};
+    int hi[4] = {INT_MIN, INT_MIN, INT_MIN, INT_MIN};
+    const int j_end = min((n + 1) * block_n, sk);
+    for (int j = n * block_n + lane; j < j_end; j += 32) {
+        const ColumnIntervals iv = read_column(col, j, c, causal, sq);
+        const int vals[4] = {iv.lts, iv.lte, iv.uts, iv.ute};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            lo[t] = min(lo[t], vals[t]);
+            hi[t] = max(hi[t], vals[t]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+#pragma unroll
+        for (int s = 16; s > 0; s /= 2) {
+            lo[t] = min(lo[t], __shfl_xor_sync(0xffffffffu, lo[t], s));
+            hi[t] = max(hi[t], __shfl_xor_sync(0xffffffffu, hi[t], s));
+        }
+    }
+    if (lane == 0) {
+        int* out = bounds + int64_t(warp) * kNumBounds;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            out[2 * t] = lo[t];
+            out[2 * t + 1] = hi[t];
+        }
+    }
+}
+
+}  // namespace
+
+void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
+                        int block_n, cudaStream_t stream) {
+    const int n_blocks = (sk + block_n - 1) / block_n;
+    const int total = batch_heads * n_blocks;
+    if (total == 0) return;
+    constexpr int kThreads = 256;
+    const int grid = (total * 32 + kThreads - 1) / kThreads;
+    mask_bounds_kernel<<<grid, kThreads, 0, stream>>>(mask, bounds, total, n_blocks, sk, c, causal, sq, block_n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace flashmask

@@ -1,0 +1,65 @@
+"""Input checks shared by every backend: each raises before any work with a message that names
+the offending argument and what was expected."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from masks.format import validate
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_MAX_HEAD_DIM = 256
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions [B, S, H, D], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, Sk, Hk, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has batch {q.shape[0]} but k and v have batch {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q has head dim {q.shape[3]} but k and v have head dim {k.shape[3]}")
+    hq, hk = q.shape[2], k.shape[2]
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})")
+
+
+def check_mask(startend_row_indices: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, causal: bool,
+               check_values: bool) -> None:
+    if startend_row_indices is None:
+        return
+    validate(startend_row_indices, causal, seqlen_q=q.shape[1], batch_size=q.shape[0],
+             num_heads_q=q.shape[2], num_heads_k=k.shape[2], seqlen_k=k.shape[1],
+             check_values=check_values)
+    if startend_row_indices.device != q.device:
+        raise ValueError(f"startend_row_indices is on {startend_row_indices.device} but q is on {q.device}")
+
+
+def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the CUDA kernels cannot take these (already checked) inputs, or None if they can."""
+    if q.device.type != "cuda":
+        return f"the kernels run on CUDA tensors, got {q.device}"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"the kernels take float16 or bfloat16, got {q.dtype}"
+    d = q.shape[-1]
+    if d > KERNEL_MAX_HEAD_DIM or d % 8 != 0:
+        return f"the kernels take head dims that are multiples of 8 up to {KERNEL_MAX_HEAD_DIM}, got {d}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            return f"the kernels need the last dimension of {name} contiguous (stride 1), got stride {t.stride(-1)}"
+        if t.data_ptr() % 16:
+            return f"the kernels need {name} to start at a 16-byte aligned address"
+        if any(s % 8 for s in t.stride()[:-1]):
+            return f"the kernels need the strides of {name} to be multiples of 8 elements (16-byte rows), got {t.stride()}"
+    return None

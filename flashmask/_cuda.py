@@ -1,0 +1,104 @@
+"""The CUDA kernels as torch custom ops (``flashmask::fwd``, ``flashmask::bwd``).
+
+Custom ops with fake implementations let ``torch.compile(fullgraph=True)`` trace through
+:func:`flashmask.flashmask_attention` without a graph break; ``register_autograd`` ties the two
+together.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    from flashmask import _C  # built by setup.py when CUDA is available
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as e:  # pure-Python install
+    _C = None
+    _IMPORT_ERROR = e
+
+
+def available() -> bool:
+    """True when the extension is built and a CUDA device is visible."""
+    return _C is not None and torch.cuda.is_available()
+
+
+def unavailable_reason() -> str:
+    if _C is None:
+        return f"the CUDA extension flashmask._C is not built ({_IMPORT_ERROR})"
+    return "no CUDA device is available"
+
+
+def has_backward() -> bool:
+    return _C is not None and hasattr(_C, "bwd")
+
+
+def compiled_head_dims() -> Tuple[int, ...]:
+    """The head dims the extension was built for (inputs are rounded up to the next one)."""
+    return tuple(_C.head_dims()) if _C is not None else ()
+
+
+def compiled_dtypes() -> Tuple[torch.dtype, ...]:
+    return tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
+
+
+@torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
+        causal: bool, softmax_scale: float, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` only matters to the backward; it is an argument so that autograd saves it.
+    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale)
+    return out, lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
+    b, sq, hq, _ = q.shape
+    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashmask::bwd", mutates_args=(), device_types="cuda")
+def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, dlse: Optional[torch.Tensor], startend_row_indices: Optional[torch.Tensor],
+        causal: bool, softmax_scale: float, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if has_backward():
+        dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale,
+                            deterministic)
+        return dq, dk, dv
+    return _reference_bwd(dout, q, k, v, dlse, startend_row_indices, causal, softmax_scale)
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _reference_bwd(dout, q, k, v, dlse, startend_row_indices, causal, softmax_scale):
+    """Gradients through the reference path, for builds without the backward kernel."""
+    from flashmask.reference import reference_attention
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*leaves, startend_row_indices, causal=causal, softmax_scale=softmax_scale)
+        outputs, grads = [out], [dout]
+        if dlse is not None:
+            # +inf LSE on empty rows has no gradient; keep inf*0 out of the sum.
+            outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+            grads.append(dlse)
+        dq, dk, dv = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, startend_row_indices, causal, softmax_scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dlse, startend_row_indices, ctx.causal,
+                     ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)

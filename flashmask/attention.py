@@ -1,0 +1,94 @@
+"""``flashmask_attention``: the functional API and the choice of backend."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Tuple, Union
+
+import torch
+
+from flashmask import _checks, _cuda
+from flashmask.reference import reference_attention
+from masks.convert import merge_window, window_to_startend
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        startend_row_indices: Optional[torch.Tensor] = None, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None,
+                        window_size: Optional[Tuple[int, int]] = None, return_lse: bool = False,
+                        deterministic: bool = False, backend: str = "auto",
+                        validate: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Exact attention under a FlashMask column-interval mask.
+
+    Args:
+        q: ``[B, Sq, Hq, D]``. A transposed ``[B, H, S, D]`` tensor viewed as BSHD (``x.transpose(1, 2)``)
+            works without a copy: only the last dimension must be contiguous.
+        k, v: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA / MQA).
+        startend_row_indices: int32 ``[B, Hm, Sk, C]`` with ``Hm`` in ``{1, Hk, Hq}``: for each key
+            column the query rows that may not attend it (see :mod:`masks.format`; builders in
+            :mod:`masks`). ``None``: no mask beyond ``causal``.
+        causal: add the causal mask, aligned bottom-right when ``Sq != Sk``. Also selects how ``C``
+            is read: causal ``C`` in {1, 2}, non-causal ``C`` in {2, 4}.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
+            the mask where the result is expressible in the column-interval format.
+        return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32; ``+inf`` on rows that no key
+            may attend, whose output is 0).
+        deterministic: bitwise reproducible gradients (a fixed dQ accumulation order in the kernel).
+        backend: ``"auto"`` (the CUDA kernels when built and the inputs qualify, else the reference
+            path), ``"cuda"`` (raises if the kernels cannot run) or ``"reference"``.
+        validate: also check every mask value (one device sync); builders in :mod:`masks` already do.
+
+    Returns:
+        ``out`` ``[B, Sq, Hq, D]`` in the dtype of ``q``, and ``lse`` if ``return_lse``.
+
+    Example::
+
+        >>> import torch, masks
+        >>> q = k = v = torch.randn(1, 10, 2, 16)
+        >>> mask = masks.causal_document([4, 3, 3], seqlen=10)  # [1, 1, 10, 1]
+        >>> flashmask_attention(q, k, v, mask, causal=True).shape
+        torch.Size([1, 10, 2, 16])
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _checks.check_qkv(q, k, v)
+    _checks.check_mask(startend_row_indices, q, k, causal, check_values=validate)
+    if window_size is not None:
+        if startend_row_indices is None:
+            startend_row_indices = window_to_startend(tuple(window_size), q.shape[1], k.shape[1], causal,
+                                                      device=q.device)
+        else:
+            startend_row_indices = merge_window(startend_row_indices, causal, tuple(window_size), q.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+    use_cuda = backend == "cuda"
+    if backend != "reference":
+        reason = _checks.kernel_unsupported_reason(q, k, v)
+        if reason is None and not _cuda.available():
+            reason = _cuda.unavailable_reason()
+        if reason is not None:
+            if backend == "cuda":
+                raise RuntimeError(f"backend='cuda' cannot run: {reason}")
+            if q.is_cuda:
+                _warn_fallback(reason)
+        use_cuda = reason is None
+
+    if use_cuda:
+        out, lse = _cuda.fwd(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic))
+    else:
+        out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale)
+    return (out, lse) if return_lse else out
+
+
+_warned = set()
+
+
+def _warn_fallback(reason: str) -> None:
+    # The reference path is O(Sq * Sk) per chunk: say once why a CUDA call did not get the kernels.
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"flashmask: using the reference path (slow, O(Sq*Sk) memory) because {reason}",
+                      stacklevel=3)

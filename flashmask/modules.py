@@ -1,0 +1,121 @@
+"""``nn.Module`` wrappers: the attention core and a multi-head self-attention block."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from flashmask.attention import flashmask_attention
+
+LAYOUTS = ("bshd", "bhsd")
+
+
+class FlashMaskAttention(nn.Module):
+    """The attention core as a module: ``out = FlashMaskAttention(...)(q, k, v, startend_row_indices)``.
+
+    ``layout="bshd"`` takes q ``[B, Sq, Hq, D]`` and k/v ``[B, Sk, Hk, D]``; ``layout="bhsd"`` takes
+    ``[B, H, S, D]`` tensors (passed to the kernels as transposed views, no copy) and returns the
+    output in the same layout.
+    """
+
+    def __init__(self, causal: bool = False, softmax_scale: Optional[float] = None,
+                 window_size: Optional[Tuple[int, int]] = None, layout: str = "bshd",
+                 deterministic: bool = False, backend: str = "auto"):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
+        self.layout, self.deterministic, self.backend = layout, deterministic, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                startend_row_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        bhsd = self.layout == "bhsd"
+        if bhsd:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = flashmask_attention(q, k, v, startend_row_indices, causal=self.causal,
+                                  softmax_scale=self.softmax_scale, window_size=self.window_size,
+                                  deterministic=self.deterministic, backend=self.backend)
+        return out.transpose(1, 2) if bhsd else out
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, layout={self.layout!r}, window_size={self.window_size}, backend={self.backend!r}"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the "rotate half" form used by Llama) from explicit position ids,
+    so that packed documents restart their positions."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x ``[B, S, H, D]``, position_ids ``[B, S]``."""
+        angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, D/2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, S, 1, D]
+        xf = x.float()
+        return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)
+
+
+class FlashMaskSelfAttention(nn.Module):
+    """Multi-head self-attention (q/k/v/o projections, GQA, optional rotary) under a FlashMask mask.
+
+    ``forward(x [B, S, E], startend_row_indices=None, position_ids=None) -> [B, S, E]``.
+    ``position_ids`` (default ``arange(S)``) drive the rotary embedding; for packed documents pass
+    positions that restart at each document (see :func:`masks.from_position_ids`).
+
+    Example::
+
+        >>> import masks
+        >>> attn = FlashMaskSelfAttention(hidden_size=64, num_heads=4, num_kv_heads=2, rotary=True)
+        >>> x = torch.randn(2, 12, 64)
+        >>> attn(x, masks.causal_document([[5, 7], [12]], seqlen=12)).shape
+        torch.Size([2, 12, 64])
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, bias: bool = False, causal: bool = True,
+                 rotary: bool = True, rope_base: float = 10000.0, window_size: Optional[Tuple[int, int]] = None,
+                 backend: str = "auto"):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
+                                 "unless head_dim is given")
+            head_dim = hidden_size // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.rotary = RotaryEmbedding(head_dim, rope_base) if rotary else None
+        self.attn = FlashMaskAttention(causal=causal, window_size=window_size, backend=backend)
+
+    def forward(self, x: torch.Tensor, startend_row_indices: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"x must be [B, S, hidden_size], got shape {tuple(x.shape)}")
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = torch.arange(s, device=x.device).expand(b, s)
+            elif position_ids.shape != (b, s):
+                raise ValueError(f"position_ids must be [B, S] = {(b, s)}, got {tuple(position_ids.shape)}")
+            q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+        out = self.attn(q, k, v, startend_row_indices)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

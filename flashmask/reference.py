@@ -1,0 +1,65 @@
+"""The pure-PyTorch reference path: exact attention with a FlashMask mask, on any device and dtype.
+
+It is the oracle of the tests and the fallback where the CUDA kernels cannot run. It expands the
+mask a chunk of query rows at a time (O(chunk * Sk) memory per chunk), so it is exact but not
+fast; gradients come from autograd.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from masks.format import to_dense
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        startend_row_indices: Optional[torch.Tensor] = None, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None,
+                        chunk_size: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention; returns ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])``.
+
+    Inputs as :func:`flashmask.flashmask_attention` (no checks here: callers validate). Half
+    inputs are computed in float32, float64 in float64; ``out`` has the input dtype, ``lse`` is
+    float32 (float64 for float64 inputs). Rows that no key may attend give ``out = 0`` and
+    ``lse = +inf`` with zero gradients.
+    """
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    acc = _compute_dtype(q.dtype)
+    # [B, H, S, D] in the compute dtype; K/V heads repeated for the query heads of their group.
+    qh = q.transpose(1, 2).to(acc)
+    kh = k.transpose(1, 2).to(acc).repeat_interleave(hq // hk, dim=1)
+    vh = v.transpose(1, 2).to(acc).repeat_interleave(hq // hk, dim=1)
+    outs, lses = [], []
+    for r0 in range(0, max(sq, 1), chunk_size):
+        rows = slice(r0, min(sq, r0 + chunk_size))
+        if rows.start >= rows.stop:
+            break
+        allowed = to_dense(startend_row_indices, causal, seqlen_q=sq, seqlen_k=sk, rows=rows)
+        allowed = allowed.to(q.device)
+        if allowed.shape[1] not in (1, hq):
+            allowed = allowed.repeat_interleave(hq // allowed.shape[1], dim=1)
+        s = torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale
+        s = s.masked_fill(~allowed, float("-inf"))
+        # The row max only stabilises the exponentials: softmax does not depend on it, so it is
+        # detached, and replaced by 0 on empty rows so that no -inf - -inf appears.
+        m = s.amax(dim=-1, keepdim=True).detach()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(s - m)
+        denom = e.sum(dim=-1, keepdim=True)
+        empty = denom == 0
+        safe = torch.where(empty, torch.ones_like(denom), denom)
+        outs.append(torch.matmul(e, vh) / safe)
+        lse = torch.where(empty, torch.full_like(denom, float("inf")), m + torch.log(safe))
+        lses.append(lse.squeeze(-1))
+    if sq == 0:
+        return q.new_empty(b, 0, hq, v.shape[-1]), q.new_empty(b, hq, 0, dtype=acc)
+    out = torch.cat(outs, dim=2).transpose(1, 2).to(q.dtype)
+    return out, torch.cat(lses, dim=2)

@@ -1,0 +1,69 @@
+"""Document masks for packed sequences, from ``cu_seqlens`` or from restarting ``position_ids``.
+
+Padding-free collators (Hugging Face ``DataCollatorWithFlattening``, TRL ``padding_free=True``)
+concatenate documents into one row and emit either cumulative lengths ``cu_seqlens`` (as
+flash-attn varlen takes) or ``position_ids`` that restart at each document. Both become the
+causal-document (C=1: LTS = doc end) or document (C=2: LTS = doc end, UTE = doc start) format.
+
+Example::
+
+    >>> from_cu_seqlens(torch.tensor([0, 4, 7, 10]))[0, 0, :, 0].tolist()
+    [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]
+    >>> from_position_ids(torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]))[0, 0, :, 0].tolist()
+    [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._spec import finish, is_int
+
+
+def from_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool = True, seqlen: Optional[int] = None, device=None,
+                    *, validate: bool = True) -> torch.Tensor:
+    """int32 ``[1, 1, S, C]`` for one packed row whose documents are ``[cu[k], cu[k+1])``.
+
+    ``cu_seqlens`` is 1-D, starts at 0 and never decreases. ``seqlen`` defaults to ``cu[-1]``; a
+    longer ``seqlen`` makes the tokens after ``cu[-1]`` one more document (e.g. padding).
+    Reads ``cu_seqlens`` on the host once for the checks.
+    """
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
+    cu = cu.to(device=device if device is not None else cu.device, dtype=torch.long)
+    vals = cu.tolist()
+    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {vals[:8]}{'...' if len(vals) > 8 else ''}")
+    s = vals[-1] if seqlen is None else seqlen
+    if not is_int(s) or s < 1 or s < vals[-1]:
+        raise ValueError(f"seqlen must be a positive int >= cu_seqlens[-1]={vals[-1]}, got {s!r}")
+    bounds = torch.cat([cu, cu.new_tensor([s])])  # the tail (if any) ends at seqlen
+    t = torch.arange(s, device=cu.device)
+    k = torch.searchsorted(bounds, t, right=True)  # first boundary after token t
+    end, start = bounds[k].view(1, s), bounds[k - 1].view(1, s)
+    return finish([end] if causal else [end, start], causal, s, validate)
+
+
+def from_position_ids(position_ids: torch.Tensor, causal: bool = True, *, validate: bool = True) -> torch.Tensor:
+    """int32 ``[B, 1, S, C]`` from ``position_ids`` ``[B, S]`` (or ``[S]``) of packed rows.
+
+    A document starts at token 0 and wherever the position does not increase
+    (``pos[t] <= pos[t-1]``) or restarts at 0, so ``[0, 1, 2, 0, 1]`` is two
+    documents. Fully vectorised (cummax / reversed cummin), no host sync.
+    """
+    pos = torch.as_tensor(position_ids)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if pos.dim() != 2 or pos.shape[1] < 1 or pos.dtype.is_floating_point or pos.dtype == torch.bool:
+        raise ValueError(f"position_ids must be an integer tensor [B, S], got {pos.dtype} {tuple(pos.shape)}")
+    bsz, s = pos.shape
+    first = torch.ones_like(pos[:, :1], dtype=torch.bool)
+    starts = torch.cat([first, (pos[:, 1:] <= pos[:, :-1]) | (pos[:, 1:] == 0)], 1)
+    t = torch.arange(s, device=pos.device).expand(bsz, s)
+    start = torch.where(starts, t, 0).cummax(1).values  # latest document start at or before t
+    nxt = torch.where(starts, t, s)[:, 1:]  # the next start after t: suffix minimum
+    nxt = torch.cat([nxt, nxt.new_full((bsz, 1), s)], 1)
+    end = nxt.flip(1).cummin(1).values.flip(1)
+    return finish([end] if causal else [end, start], causal, s, validate)

@@ -1,0 +1,169 @@
+"""Shared helpers of the attention tests: random masks, a low-precision baseline, error bounds."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashmask.reference import reference_attention
+
+
+def random_startend(b: int, hm: int, sq: int, sk: int, causal: bool, c: int, device="cpu",
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random column intervals covering every mode: each interval is two sorted draws in [0, Sq],
+    with a share of empty, full and boundary intervals so that whole tiles get skipped too."""
+    def draw(*shape):
+        x = torch.randint(0, sq + 1, shape, generator=generator)
+        # A third of the columns take a block-constant value so some tiles are masked whole.
+        blocky = torch.randint(0, sq + 1, (b, hm, 1), generator=generator).expand(b, hm, sk)
+        pick = torch.rand(shape, generator=generator) < 0.33
+        return torch.where(pick, blocky, x)
+
+    a, z = draw(b, hm, sk), draw(b, hm, sk)
+    lo, hi = torch.minimum(a, z), torch.maximum(a, z)
+    if causal:
+        cols = [lo] if c == 1 else [lo, hi]
+    elif c == 2:
+        ute = torch.minimum(draw(b, hm, sk), lo)  # [0, UTE) below [LTS, Sq) keeps most columns live
+        cols = [lo, ute]
+    else:
+        a2, z2 = draw(b, hm, sk), draw(b, hm, sk)
+        cols = [lo, hi, torch.minimum(a2, z2), torch.maximum(a2, z2)]
+    return torch.stack(cols, dim=-1).to(torch.int32).to(device)
+
+
+def low_precision_attention(q, k, v, startend, causal, scale=None):
+    """A plain PyTorch implementation in the inputs' dtype (scores and probabilities rounded to it):
+    the error baseline of SPEC section 6."""
+    from masks.format import to_dense
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    kh = kh.repeat_interleave(hq // hk, 1)
+    vh = vh.repeat_interleave(hq // hk, 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    allowed = to_dense(startend, causal, seqlen_q=sq, seqlen_k=sk).to(q.device)
+    if allowed.shape[1] not in (1, hq):
+        allowed = allowed.repeat_interleave(hq // allowed.shape[1], 1)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    return (p @ vh).transpose(1, 2), lse
+
+
+def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    finite = torch.isfinite(ref)
+    if not finite.any():
+        return 0.0
+    return (x.double() - ref.double())[finite].abs().max().item()
+
+
+def assert_close_to_reference(out, lse, q, k, v, startend, causal, scale=None):
+    """SPEC section 6: error vs a float32 reference at most 2x the low-precision baseline's plus a
+    small epsilon (a thousandth of the output's magnitude: about one rounding step of bf16)."""
+    ref_out, ref_lse = reference_attention(q, k, v, startend, causal=causal, softmax_scale=scale)
+    lp_out, lp_lse = low_precision_attention(q, k, v, startend, causal, scale)
+    assert not torch.isnan(out).any(), "NaN in out"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    empty = torch.isinf(ref_lse)  # [B, H, Sq]: rows no key may attend
+    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "rows with LSE +inf differ from the reference's empty rows"
+    assert (out.transpose(1, 2)[empty] == 0).all(), "empty rows must give out = 0"
+    bound_o = 2 * max_err(lp_out, ref_out) + 1e-3 * max(ref_out.abs().max().item(), 1e-3)
+    err_o = max_err(out, ref_out)
+    assert err_o <= bound_o, f"out error {err_o:.3e} > bound {bound_o:.3e}"
+    bound_l = 2 * max_err(lp_lse, ref_lse) + 1e-4
+    err_l = max_err(lse, ref_lse)
+    assert err_l <= bound_l, f"lse error {err_l:.3e} > bound {bound_l:.3e}"
+    return err_o, bound_o
+
+
+# ---------------------------------------------------------------------------------------------
+# An independent float64 oracle for the CPU tests (test_reference / test_api / test_modules).
+# Written directly from SPEC section 2 and the definition of softmax attention; it shares no code
+# with flashmask.reference or masks.format.to_dense.
+# ---------------------------------------------------------------------------------------------
+
+def dense_from_intervals(startend, causal: bool, sq: int, sk: int) -> torch.Tensor:
+    """bool ``[B or 1, Hm or 1, Sq, Sk]`` (True = query i attends key j), from the SPEC table:
+
+    causal C=1: masked rows >= LTS; causal C=2: rows in [LTS, LTE); both plus the causal triangle
+    aligned bottom-right (i sees j iff j <= i + Sk - Sq); non-causal C=2: rows >= LTS or < UTE;
+    non-causal C=4: rows in [LTS, LTE) or in [UTS, UTE).
+    """
+    i = torch.arange(sq).view(1, 1, sq, 1)
+    j = torch.arange(sk).view(1, 1, 1, sk)
+    allowed = torch.ones(1, 1, sq, sk, dtype=torch.bool)
+    if causal:
+        allowed = allowed & (j <= i + (sk - sq))
+    if startend is None:
+        return allowed
+    col = [x.long().cpu().unsqueeze(2) for x in startend.unbind(-1)]  # each [B, Hm, 1, Sk]
+    c = len(col)
+    if causal and c == 1:
+        masked = i >= col[0]
+    elif causal and c == 2:
+        masked = (i >= col[0]) & (i < col[1])
+    elif not causal and c == 2:
+        masked = (i >= col[0]) | (i < col[1])
+    elif not causal and c == 4:
+        masked = ((i >= col[0]) & (i < col[1])) | ((i >= col[2]) & (i < col[3]))
+    else:
+        raise AssertionError(f"bad mode causal={causal} C={c}")
+    return allowed & ~masked
+
+
+def dense_from_mask_mod(mask_mod, bsz: int, sq: int, sk: int | None = None) -> torch.Tensor:
+    """Evaluate a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)`` on broadcast index tensors."""
+    sk = sq if sk is None else sk
+    b = torch.arange(bsz).view(-1, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    qi = torch.arange(sq).view(1, 1, -1, 1)
+    kv = torch.arange(sk).view(1, 1, 1, -1)
+    return torch.as_tensor(mask_mod(b, h, qi, kv)).expand(bsz, 1, sq, sk)
+
+
+def dense_window(sq: int, sk: int, window_size, causal: bool) -> torch.Tensor:
+    """flash-attn local window ``(left, right)`` as bool ``[1, 1, Sq, Sk]``: query i attends key j iff
+    ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (-1 = unbounded), and ``j <= i + Sk - Sq`` if causal."""
+    left, right = window_size
+    i = torch.arange(sq).view(-1, 1)
+    j = torch.arange(sk).view(1, -1)
+    diag = i + sk - sq
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= diag - left
+    if right >= 0:
+        ok &= j <= diag + right
+    if causal:
+        ok &= j <= diag
+    return ok.view(1, 1, sq, sk)
+
+
+def naive_attention(q, k, v, allowed, scale=None):
+    """softmax(Q K^T * scale, masked) V in float64, straight from the definition.
+
+    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]``, ``allowed`` bool ``[B or 1, Hm, Sq, Sk]``; query head
+    h reads key/value head ``h // (Hq // Hk)`` and mask head ``h // (Hq // Hm)``. Returns
+    ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` in float64; a row with no allowed key gives out 0 and
+    lse +inf. Differentiable (for autograd comparisons) on rows that have an allowed key.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    hq, hk, d = q.shape[2], k.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    hm = allowed.shape[1]
+    kv_head = torch.arange(hq) // (hq // hk)
+    mask_head = torch.arange(hq) // (hq // hm)
+    kk, vv = k[:, :, kv_head], v[:, :, kv_head]  # [B, Sk, Hq, D]
+    a = allowed[:, mask_head].to(q.device)  # [B or 1, Hq, Sq, Sk]
+    scores = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    scores = scores.masked_fill(~a, float("-inf"))
+    empty = ~a.any(-1)  # [B or 1, Hq, Sq]
+    # Empty rows would give softmax 0/0 = NaN: give them zero scores, then zero probabilities.
+    safe = torch.where(empty.unsqueeze(-1), torch.zeros_like(scores), scores)
+    p = torch.softmax(safe, dim=-1)
+    p = torch.where(empty.unsqueeze(-1), torch.zeros_like(p), p)
+    out = torch.einsum("bhij,bjhd->bihd", p, vv)
+    lse = torch.logsumexp(safe, dim=-1)
+    lse = torch.where(empty.expand_as(lse), torch.full_like(lse, float("inf")), lse)
+    return out, lse

@@ -1,0 +1,126 @@
+"""Forward kernel against the reference path (GPU only; skipped without CUDA or without the build)."""
+import itertools
+import random
+
+import pytest
+import torch
+
+import flashmask
+import masks
+from masks.examples import example
+from flashmask import _cuda
+from attn_helpers import assert_close_to_reference, random_startend
+
+pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
+
+DTYPES = [t for t in (torch.float16, torch.bfloat16) if _cuda.available() and t in _cuda.compiled_dtypes()]
+HEAD_DIMS = [d for d in (32, 40, 64, 80, 96, 128, 160, 192, 256)
+             if _cuda.available() and d <= max(_cuda.compiled_head_dims() or (0,))]
+MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
+
+
+def run_kernel(q, k, v, startend, causal, **kw):
+    # Poison the allocator's free blocks so that unwritten outputs show as NaN.
+    junk = torch.full((q.numel() * 4 + (1 << 20),), float("nan"), device=q.device)
+    del junk
+    out, lse = flashmask.flashmask_attention(q, k, v, startend, causal=causal, return_lse=True, backend="cuda", **kw)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def make_qkv(b, sq, sk, hq, hk, d, dtype, layout="bshd"):
+    if layout == "bhsd":  # a transposed [B, H, S, D] tensor, passed without a copy
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype).transpose(1, 2)
+        k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return q, k, v
+    return tuple(torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+                 for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal,c", MODES)
+def test_head_dims_random_masks(dtype, d, causal, c):
+    q, k, v = make_qkv(2, 300, 300, 4, 2, d, dtype)
+    mask = random_startend(2, 2, 300, 300, causal, c, device="cuda")
+    out, lse = run_kernel(q, k, v, mask, causal)
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)
+
+
+SIZES = [1, 17, 127, 1000, 4097]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", [(s, s) for s in SIZES] + [(17, 1000), (1000, 17), (127, 4097), (4097, 127), (1, 4097)])
+@pytest.mark.parametrize("causal,c", MODES + [(True, None), (False, None)])
+def test_odd_shapes(dtype, sq, sk, causal, c):
+    d = max(HEAD_DIMS, key=lambda x: x == 128)
+    q, k, v = make_qkv(1, sq, sk, 2, 1, d, dtype)
+    mask = None if c is None else random_startend(1, 1, sq, sk, causal, c, device="cuda")
+    out, lse = run_kernel(q, k, v, mask, causal)
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,hm", [(8, 8, 1), (8, 2, 1), (8, 2, 2), (8, 2, 8), (6, 1, 6), (6, 1, 1)])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gqa_mask_heads_layouts(dtype, hq, hk, hm, layout):
+    causal, c = random.choice(MODES)
+    q, k, v = make_qkv(3, 513, 700, hq, hk, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], dtype, layout)
+    mask = random_startend(3, hm, 513, 700, causal, c, device="cuda")
+    out, lse = run_kernel(q, k, v, mask, causal)
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", sorted(getattr(masks, "FAMILIES", {})))
+def test_mask_families(dtype, family):
+    startend, causal = example(family, 1500, batch_size=2, device="cuda")
+    q, k, v = make_qkv(2, 1500, 1500, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], dtype)
+    out, lse = run_kernel(q, k, v, startend, causal)
+    assert_close_to_reference(out, lse, q, k, v, startend, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_and_blocks(dtype):
+    # Rows 0..299 see nothing (every key masked for them); whole tiles are skipped.
+    sq = sk = 700
+    lts = torch.full((1, 1, sk), sq, dtype=torch.int32)
+    ute = torch.full((1, 1, sk), 300, dtype=torch.int32)
+    mask = torch.stack([lts, ute], -1).cuda()
+    q, k, v = make_qkv(1, sq, sk, 2, 2, HEAD_DIMS[-1] if 128 not in HEAD_DIMS else 128, dtype)
+    out, lse = run_kernel(q, k, v, mask, False)
+    assert torch.isinf(lse[:, :, :300]).all() and (lse[:, :, :300] > 0).all()
+    assert (out[:, :300] == 0).all()
+    assert_close_to_reference(out, lse, q, k, v, mask, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_more_queries_than_keys(dtype):
+    # Bottom-right alignment: the first Sq - Sk rows see no key.
+    q, k, v = make_qkv(1, 333, 100, 2, 2, 64 if 64 in HEAD_DIMS else HEAD_DIMS[0], dtype)
+    out, lse = run_kernel(q, k, v, None, True)
+    assert torch.isinf(lse[:, :, :233]).all()
+    assert_close_to_reference(out, lse, q, k, v, None, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_of_range_values_are_clamped_semantics(dtype):
+    # Values outside [0, Sq] never make the kernel read out of bounds; they mean what the
+    # comparisons say, exactly as on the reference path.
+    sq = sk = 257
+    mask = torch.randint(-50, sq + 50, (1, 1, sk, 4), dtype=torch.int32, device="cuda")
+    q, k, v = make_qkv(1, sq, sk, 2, 2, HEAD_DIMS[0], dtype)
+    out, lse = run_kernel(q, k, v, mask, False)
+    assert_close_to_reference(out, lse, q, k, v, mask, False)
+
+
+def test_softmax_scale_and_determinism():
+    dtype = DTYPES[0]
+    q, k, v = make_qkv(1, 600, 600, 2, 2, HEAD_DIMS[0], dtype)
+    mask = random_startend(1, 1, 600, 600, True, 2, device="cuda")
+    out1, lse1 = run_kernel(q, k, v, mask, True, softmax_scale=0.3)
+    out2, lse2 = run_kernel(q, k, v, mask, True, softmax_scale=0.3)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert_close_to_reference(out1, lse1, q, k, v, mask, True, scale=0.3)

@@ -69,12 +69,18 @@ int kernel_head_dim(int d) {
                 c10::Join(", ", compiled_head_dims()), "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
 }
 
-using RunFn = void (*)(const AttnParams&, cudaStream_t);
+// The (forward, backward) entry points of a compiled (head dim, dtype), or an error naming what
+// this build lacks.
+struct Kernels {
+    void (*fwd)(const AttnParams&, cudaStream_t);
+    void (*bwd)(const BwdParams&, bool, cudaStream_t);
+};
 
-RunFn fwd_fn(int head_dim, at::ScalarType dtype) {
+Kernels kernels_for(int head_dim, at::ScalarType dtype) {
     const bool half = dtype == at::kHalf;
-#define FLASHMASK_CASE(HDIM, DTYPE)                                            \
-    if (head_dim == HDIM && half == (std::string(#DTYPE) == "fp16")) return &run_fwd_hdim##HDIM##_##DTYPE;
+#define FLASHMASK_CASE(HDIM, DTYPE)                                                              \
+    if (head_dim == HDIM && half == (std::string(#DTYPE) == "fp16"))                              \
+        return {&run_fwd_hdim##HDIM##_##DTYPE, &run_bwd_hdim##HDIM##_##DTYPE};
 #if defined(FLASHMASK_HDIM32) && defined(FLASHMASK_FP16)
     FLASHMASK_CASE(32, fp16)
 #endif
@@ -120,6 +126,11 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
         TORCH_CHECK(t->is_cuda(), "flashmask: q, k, v must be CUDA tensors");
         TORCH_CHECK(t->dim() == 4, "flashmask: q, k, v must be [B, S, H, D]");
         TORCH_CHECK(t->stride(-1) == 1, "flashmask: the last dimension of q, k, v must be contiguous");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "flashmask: q, k, v must be 16-byte aligned");
+        for (int i = 0; i < 3; ++i) {
+            TORCH_CHECK(t->size(i) == 1 || t->stride(i) % 8 == 0,
+                        "flashmask: the strides of q, k, v must be multiples of 8 elements");
+        }
         TORCH_CHECK(t->scalar_type() == q.scalar_type(), "flashmask: q, k, v must share a dtype");
         TORCH_CHECK(t->get_device() == q.get_device(), "flashmask: q, k, v must be on one device");
     }
@@ -140,56 +151,137 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 
 }  // namespace
 
+// Fills the fields shared by forward and backward; allocates the mask bounds for key blocks of
+// block_n columns (kept alive by `bounds`).
+void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_n,
+                 at::Tensor& mask, at::Tensor& bounds, cudaStream_t stream) {
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    const int sk = k.size(1), hk = k.size(2);
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+    set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+    set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    p.b = b; p.sq = sq; p.sk = sk; p.hq = hq; p.hk = hk; p.d = d;
+    p.q_per_kv_head = hq / hk;
+    p.softmax_scale = float(softmax_scale);
+    p.scale_log2 = float(softmax_scale * M_LOG2E);
+    p.causal = causal;
+    p.n_key_blocks = (sk + block_n - 1) / block_n;
+    if (!startend_row_indices.has_value()) return;
+    mask = startend_row_indices->contiguous();
+    TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4, "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
+    TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(), "flashmask: startend_row_indices must be on the device of q");
+    const int hm = mask.size(1), c = mask.size(3);
+    TORCH_CHECK(mask.size(0) == b && mask.size(2) == sk, "flashmask: startend_row_indices must be [B, Hm, Sk, C]");
+    TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
+    TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", c, " is invalid for causal=", causal);
+    bounds = at::empty({b, hm, p.n_key_blocks, kNumBounds}, mask.options());
+    launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), b * hm, sk, c, causal, sq, block_n, stream);
+    p.mask = mask.data_ptr<int>();
+    p.bounds = bounds.data_ptr<int>();
+    p.mask_c = c;
+    p.hm = hm;
+    p.q_per_mask_head = hq / hm;
+}
+
 // Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}.
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale) {
     check_qkv(q, k, v);
     const c10::cuda::CUDAGuard guard(q.device());
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
-    const int sk = k.size(1), hk = k.size(2);
     at::Tensor out = at::empty({b, sq, hq, d}, q.options());
     at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
     if (b == 0 || sq == 0 || hq == 0) return {out, lse};
-
     const int head_dim = kernel_head_dim(d);
-    const FwdTile tile = fwd_tile(head_dim);
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
     AttnParams p{};
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
+    at::Tensor mask, bounds;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, fwd_tile(head_dim).block_n, mask, bounds, stream);
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
-    set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-    set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-    set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
-    p.b = b; p.sq = sq; p.sk = sk; p.hq = hq; p.hk = hk; p.d = d;
-    p.q_per_kv_head = hq / hk;
-    p.softmax_scale = float(softmax_scale);
-    p.scale_log2 = float(softmax_scale * M_LOG2E);
-    p.causal = causal;
-    p.n_key_blocks = (sk + tile.block_n - 1) / tile.block_n;
-
-    auto stream = at::cuda::getCurrentCUDAStream().stream();
-    at::Tensor mask, bounds;
-    if (startend_row_indices.has_value()) {
-        mask = startend_row_indices->contiguous();
-        TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4, "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
-        TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(), "flashmask: startend_row_indices must be on the device of q");
-        const int hm = mask.size(1), c = mask.size(3);
-        TORCH_CHECK(mask.size(0) == b && mask.size(2) == sk, "flashmask: startend_row_indices must be [B, Hm, Sk, C]");
-        TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
-        TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", c, " is invalid for causal=", causal);
-        bounds = at::empty({b, hm, p.n_key_blocks, kNumBounds}, mask.options());
-        launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), b * hm, sk, c, causal, sq, tile.block_n, stream);
-        p.mask = mask.data_ptr<int>();
-        p.bounds = bounds.data_ptr<int>();
-        p.mask_c = c;
-        p.hm = hm;
-        p.q_per_mask_head = hq / hm;
-    }
-    fwd_fn(head_dim, q.scalar_type())(p, stream);
+    kernels_for(head_dim, q.scalar_type()).fwd(p, stream);
     return {out, lse};
+}
+
+// Returns {dq, dk, dv} shaped like q, k, v. dlse (optional, [B, Hq, Sq]) is the gradient reaching
+// the returned LSE.
+std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                            const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
+                            bool deterministic) {
+    check_qkv(q, k, v);
+    TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flashmask: dout and out must be shaped like q");
+    TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+                "flashmask: dout and out must have the dtype of q");
+    TORCH_CHECK(dout.is_contiguous() && out.stride(-1) == 1, "flashmask: dout must be contiguous and out needs a contiguous last dimension");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0, "flashmask: dout must be 16-byte aligned");
+    const c10::cuda::CUDAGuard guard(q.device());
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    const int sk = k.size(1), hk = k.size(2);
+    at::Tensor dq = at::empty_like(q);
+    at::Tensor dk = at::empty_like(k);
+    at::Tensor dv = at::empty_like(v);
+    if (b == 0 || hq == 0 || sk == 0) {
+        dq.zero_(); dk.zero_(); dv.zero_();
+        return {dq, dk, dv};
+    }
+    if (sq == 0) {
+        dk.zero_(); dv.zero_();
+        return {dq, dk, dv};
+    }
+    const at::Tensor lse_c = lse.contiguous();
+    TORCH_CHECK(lse_c.scalar_type() == at::kFloat && lse_c.dim() == 3 && lse_c.size(0) == b && lse_c.size(1) == hq &&
+                lse_c.size(2) == sq, "flashmask: lse must be float32 [B, Hq, Sq]");
+    at::Tensor dlse_c;
+    if (dlse.has_value()) {
+        dlse_c = dlse->to(at::kFloat).contiguous();
+        TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
+    }
+    const int head_dim = kernel_head_dim(d);
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    BwdParams p{};
+    at::Tensor mask, bounds;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, bwd_tile(head_dim).block_n, mask, bounds, stream);
+    p.o = out.data_ptr();
+    set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    p.lse = lse_c.data_ptr<float>();
+    p.dout = dout.data_ptr();
+    set_strides(dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+
+    at::Tensor dsum = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+    p.dsum = dsum.data_ptr<float>();
+    const float* dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
+    if (q.scalar_type() == at::kHalf) run_bwd_dsum_fp16(p, dlse_ptr, stream);
+    else run_bwd_dsum_bf16(p, dlse_ptr, stream);
+
+    // GQA: each query head writes its own dK, dV slice; the group is summed below.
+    const bool expand = hq != hk;
+    at::Tensor dk_h = expand ? at::empty({b, sk, hq, d}, k.options()) : dk;
+    at::Tensor dv_h = expand ? at::empty({b, sk, hq, d}, v.options()) : dv;
+    p.dk = dk_h.data_ptr();
+    p.dv = dv_h.data_ptr();
+    set_strides(dk_h, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+    set_strides(dv_h, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+    at::Tensor dq_accum;
+    if (deterministic) {
+        p.dq = dq.data_ptr();
+        set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+    } else {
+        dq_accum = at::zeros({b, sq, hq, d}, q.options().dtype(at::kFloat));
+        p.dq_accum = dq_accum.data_ptr<float>();
+    }
+    kernels_for(head_dim, q.scalar_type()).bwd(p, deterministic, stream);
+    if (!deterministic) dq.copy_(dq_accum.mul_(softmax_scale));
+    if (expand) {
+        dk.copy_(dk_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
+        dv.copy_(dv_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
+    }
+    return {dq, dk, dv};
 }
 
 }  // namespace flashmask
@@ -198,6 +290,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flashmask CUDA kernels";
     m.def("fwd", &flashmask::fwd, "FlashMask attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"));
+    m.def("bwd", &flashmask::bwd, "FlashMask attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("startend_row_indices"),
+          py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"));
     m.def("head_dims", &flashmask::compiled_head_dims);
     m.def("dtypes", &flashmask::compiled_dtypes);
 }

@@ -8,6 +8,7 @@
 #pragma once
 #include <cute/tensor.hpp>
 
+#include "block_walk.h"
 #include "kernel_traits.h"
 #include "mask_bounds.h"
 #include "params.h"
@@ -16,43 +17,6 @@
 
 namespace flashmask {
 using namespace cute;
-
-// Which key blocks a query tile [r0, r1) needs, from the causal bound and the block bounds.
-template <int kBlockN, bool Is_causal, bool Has_mask>
-struct KeyBlockWalk {
-    struct Compare {
-        bool intervals;  // the column intervals cut the tile partly: stage and test them
-        bool any;        // some element needs a test (intervals, causal diagonal or end of keys)
-    };
-
-    const int* bounds;  // this (batch, mask head)'s [n_key_blocks, 8], or nullptr
-    int r0, r1, sk, causal_offset;
-
-    // One past the last key block any row of the tile may see.
-    __device__ int end() const {
-        int n = (sk + kBlockN - 1) / kBlockN;
-        if (Is_causal) {
-            const int last_key = r1 - 1 + causal_offset;
-            n = last_key < 0 ? 0 : min(n, last_key / kBlockN + 1);
-        }
-        return n;
-    }
-    // The largest visible block <= n, or -1.
-    __device__ int visible_at_or_below(int n) const {
-        if (Has_mask) {
-            while (n >= 0 && classify_tile(bounds + n * kNumBounds, r0, r1).fully_masked) --n;
-        }
-        return n;
-    }
-    __device__ Compare needs_compare(int n) const {
-        const int last_col = (n + 1) * kBlockN - 1;
-        Compare c{false, last_col >= sk};  // keys past the end
-        if (Is_causal) c.any |= last_col > r0 + causal_offset;  // crosses the diagonal
-        if (Has_mask) c.intervals = classify_tile(bounds + n * kNumBounds, r0, r1).partial;
-        c.any |= c.intervals;
-        return c;
-    }
-};
 
 // kMaskC: the C of startend_row_indices (0 = no mask), fixed at compile time so that a partial
 // tile tests only the intervals its mode has.
@@ -164,16 +128,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     while (n_block >= 0) {
         const int n_next = walk.visible_at_or_below(n_block - 1);
-        const auto compare = walk.needs_compare(n_block);
+        const TileCompare compare = walk.compare(n_block);
         cp_async_wait<0>();
         __syncthreads();  // K[n] landed; every thread is done with V and the staged mask of the last block
         if (Has_mask && compare.intervals) {
-            // The block's [BlockN, C] columns travel with V, so their latency hides behind Q*K^T.
-            const int* src = mask_cols + int64_t(n_block) * kBlockN * kMaskC;
-            const int valid = min(kBlockN, p.sk - n_block * kBlockN) * kMaskC;
-            for (int i = tidx; i < kBlockN * kMaskC; i += Traits::kNThreads) {
-                cp_async_4(smem_mask + i, i < valid ? src + i : mask_cols, i < valid);
-            }
+            // The block's mask columns travel with V, so their latency hides behind Q*K^T.
+            stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask_cols, n_block * kBlockN, p.sk, tidx);
         }
         load_v(n_block);
         cp_async_fence();
@@ -191,27 +151,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
         Tensor s_rc = rowcol(acc_s);
         if (compare.any) {
-            Tensor c_rc = rowcol(tScS);
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(s_rc); ++ni) {
-                const int c = get<1>(c_rc(0, ni));
-                const int col = n_block * kBlockN + c;
-                int vals[kMaskC > 0 ? kMaskC : 1] = {};
-                if (Has_mask && compare.intervals) {
-                    CUTE_UNROLL
-                    for (int t = 0; t < kMaskC; ++t) vals[t] = smem_mask[c * kMaskC + t];
-                }
-                CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(s_rc); ++mi) {
-                    const int row = r0 + get<0>(c_rc(mi, 0));
-                    bool masked = col >= p.sk;
-                    if (Is_causal) masked |= col > row + walk.causal_offset;
-                    if constexpr (Has_mask) masked |= compare.intervals && row_masked<Is_causal, kMaskC>(vals, row);
-                    if (masked) s_rc(mi, ni) = -INFINITY;
-                }
-            }
+            mask_scores<Is_causal, kMaskC>(s_rc, rowcol(tScS), compare, r0, n_block * kBlockN, p.sk,
+                                           walk.causal_offset, smem_mask);
         }
-
         Tensor o_rc = rowcol(acc_o);
         softmax.update(s_rc, o_rc, p.scale_log2);
 
@@ -228,25 +170,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     // Epilogue. The output goes through shared memory (Q's buffer: every thread finished its last
     // Q*K^T before the loop's final barrier) so that the global stores are 16-byte and coalesced.
     Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
-    auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-    auto smem_thr_o = smem_copy_o.get_thread_slice(tidx);
-    Tensor rO = convert_to<Element>(acc_o);
-    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
-    __syncthreads();
-    typename Traits::GmemTiledCopyO gmem_copy_o;
-    auto gmem_thr_o = gmem_copy_o.get_thread_slice(tidx);
     Tensor gO = make_tensor(make_gmem_ptr(o_ptr + r0 * p.o_row_stride), TileQ{}, make_stride(p.o_row_stride, _1{}));
-    Tensor tOsO = gmem_thr_o.partition_S(sO);
-    Tensor tOgO = gmem_thr_o.partition_D(gO);
-    Tensor tOcO = gmem_thr_o.partition_D(make_identity_tensor(TileQ{}));
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tOgO); ++m) {
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tOgO); ++k) {
-            const auto c = tOcO(0, m, k);
-            if (get<0>(c) < r1 - r0 && get<1>(c) < p.d) copy(gmem_copy_o, tOsO(_, m, k), tOgO(_, m, k));
-        }
-    }
+    store_tile<typename Traits::SmemCopyAtomO, typename Traits::GmemTiledCopyO, Element>(acc_o, tiled_mma, sO, gO,
+                                                                                      r1 - r0, p.d, tidx);
     Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(TileQ{})));
     if (tidx % 4 == 0) {
         CUTE_UNROLL

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "fwd_kernel.h"
+#include "launch_utils.h"
 
 namespace flashmask {
 
@@ -13,25 +14,10 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
     constexpr int smem = Traits::kSmemBytes;
     auto launch = [&](auto is_causal, auto mask_c) {
-        auto kernel = &fwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>;
-        if (smem > 48 * 1024) {
-            C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        }
-        kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_with_smem(&fwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,
+                         Traits::kNThreads, smem, p, stream);
     };
-    using True = std::true_type;
-    using False = std::false_type;
-    const int c = p.mask != nullptr ? p.mask_c : 0;
-    if (p.causal) {
-        if (c == 0) launch(True{}, std::integral_constant<int, 0>{});
-        else if (c == 1) launch(True{}, std::integral_constant<int, 1>{});
-        else launch(True{}, std::integral_constant<int, 2>{});
-    } else {
-        if (c == 0) launch(False{}, std::integral_constant<int, 0>{});
-        else if (c == 2) launch(False{}, std::integral_constant<int, 2>{});
-        else launch(False{}, std::integral_constant<int, 4>{});
-    }
+    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, launch);
 }
 
 }  // namespace flashmask

@@ -6,10 +6,16 @@
 
 namespace flashmask {
 
-#define FLASHMASK_DECLARE(HDIM, DTYPE) void run_fwd_hdim##HDIM##_##DTYPE(const AttnParams&, cudaStream_t);
+#define FLASHMASK_DECLARE(HDIM, DTYPE)                                        \
+    void run_fwd_hdim##HDIM##_##DTYPE(const AttnParams&, cudaStream_t);       \
+    void run_bwd_hdim##HDIM##_##DTYPE(const BwdParams&, bool, cudaStream_t);
 #define FLASHMASK_FOR_ALL(X) X(32, fp16) X(32, bf16) X(64, fp16) X(64, bf16) X(96, fp16) X(96, bf16) \
     X(128, fp16) X(128, bf16) X(192, fp16) X(192, bf16) X(256, fp16) X(256, bf16)
 FLASHMASK_FOR_ALL(FLASHMASK_DECLARE)
 #undef FLASHMASK_DECLARE
+
+// D = rowsum(dO * O) - dLSE, the backward's preprocessing (both dtypes are always built).
+void run_bwd_dsum_fp16(const BwdParams&, const float* dlse, cudaStream_t);
+void run_bwd_dsum_bf16(const BwdParams&, const float* dlse, cudaStream_t);
 
 }  // namespace flashmask

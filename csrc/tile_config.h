@@ -14,4 +14,12 @@ constexpr FwdTile fwd_tile(int head_dim) {
          : FwdTile{128, 64, 8};
 }
 
+// Backward tile: BlockM query rows against BlockN keys (the K/V block a CTA owns), 8 warps.
+struct BwdTile {
+    int block_m, block_n, warps;
+};
+constexpr BwdTile bwd_tile(int head_dim) {
+    return head_dim <= 128 ? BwdTile{64, 128, 8} : BwdTile{64, 64, 8};
+}
+
 }  // namespace flashmask

@@ -90,6 +90,33 @@ __forceinline__ __device__ void copy_zfill(TiledCopy const& tiled_copy, Src cons
     }
 }
 
+// Writes a register accumulator tile to global memory through shared memory `sTile` (which the
+// caller must have freed): fragments -> shared in 4-byte pairs, barrier, then 16-byte coalesced
+// stores of the rows < max_rows and columns < max_cols.
+template <typename SmemCopyAtom, typename GmemTiledCopy, typename Element, typename Acc, typename TiledMma,
+          typename STile, typename GTile>
+__forceinline__ __device__ void store_tile(Acc const& acc, TiledMma const& mma, STile& sTile, GTile& gTile, int max_rows,
+                                           int max_cols, int tidx) {
+    auto smem_copy = make_tiled_copy_C(SmemCopyAtom{}, mma);
+    auto smem_thr = smem_copy.get_thread_slice(tidx);
+    Tensor r = convert_to<Element>(acc);
+    copy(smem_copy, smem_thr.retile_S(r), smem_thr.partition_D(sTile));
+    __syncthreads();
+    GmemTiledCopy gmem_copy;
+    auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+    Tensor src = gmem_thr.partition_S(sTile);
+    Tensor dst = gmem_thr.partition_D(gTile);
+    Tensor coords = gmem_thr.partition_D(make_identity_tensor(shape(gTile)));
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(dst); ++m) {
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(dst); ++k) {
+            const auto c = coords(0, m, k);
+            if (get<0>(c) < max_rows && get<1>(c) < max_cols) copy(gmem_copy, src(_, m, k), dst(_, m, k));
+        }
+    }
+}
+
 // Asynchronous 4-byte global->shared copy; zero-filled (and nothing read) when !pred.
 __forceinline__ __device__ void cp_async_4(void* smem_dst, const void* gmem_src, bool pred) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));

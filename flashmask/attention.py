@@ -34,8 +34,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         softmax_scale: defaults to ``1 / sqrt(D)``.
         window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
             the mask where the result is expressible in the column-interval format.
-        return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32; ``+inf`` on rows that no key
-            may attend, whose output is 0).
+        return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, float64 for float64 inputs;
+            ``+inf`` on rows that no key may attend, whose output is 0).
         deterministic: bitwise reproducible gradients (a fixed dQ accumulation order in the kernel).
         backend: ``"auto"`` (the CUDA kernels when built and the inputs qualify, else the reference
             path), ``"cuda"`` (raises if the kernels cannot run) or ``"reference"``.
@@ -48,7 +48,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
         >>> import torch, masks
         >>> q = k = v = torch.randn(1, 10, 2, 16)
-        >>> mask = masks.causal_document([4, 3, 3], seqlen=10)  # [1, 1, 10, 1]
+        >>> mask = masks.causal_document(10, [4, 3, 3])  # [1, 1, 10, 1]
         >>> flashmask_attention(q, k, v, mask, causal=True).shape
         torch.Size([1, 10, 2, 16])
     """

@@ -55,15 +55,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # No float buffer: model.to(bfloat16) would round the frequencies (large angle errors at
+        # long positions). They are recomputed in float64 on each call instead.
+        self.head_dim, self.base = head_dim, base
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x ``[B, S, H, D]``, position_ids ``[B, S]``."""
-        angles = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, D/2]
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=x.device) / self.head_dim
+        inv_freq = 1.0 / (self.base ** exponents)
+        angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq  # [B, S, D/2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)  # [B, S, 1, D]
-        xf = x.float()
-        return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)
+        dt = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dt)
+        return (xf * angles.cos().to(dt) + rotate_half(xf) * angles.sin().to(dt)).to(x.dtype)
 
 
 class FlashMaskSelfAttention(nn.Module):
@@ -78,7 +82,7 @@ class FlashMaskSelfAttention(nn.Module):
         >>> import masks
         >>> attn = FlashMaskSelfAttention(hidden_size=64, num_heads=4, num_kv_heads=2, rotary=True)
         >>> x = torch.randn(2, 12, 64)
-        >>> attn(x, masks.causal_document([[5, 7], [12]], seqlen=12)).shape
+        >>> attn(x, masks.causal_document(12, [[5, 7], [12]])).shape
         torch.Size([2, 12, 64])
     """
 
@@ -111,11 +115,11 @@ class FlashMaskSelfAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if position_ids is not None and position_ids.shape != (b, s):
+            raise ValueError(f"position_ids must be [B, S] = {(b, s)}, got {tuple(position_ids.shape)}")
         if self.rotary is not None:
             if position_ids is None:
                 position_ids = torch.arange(s, device=x.device).expand(b, s)
-            elif position_ids.shape != (b, s):
-                raise ValueError(f"position_ids must be [B, S] = {(b, s)}, got {tuple(position_ids.shape)}")
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
         out = self.attn(q, k, v, startend_row_indices)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

@@ -37,6 +37,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qh = q.transpose(1, 2).to(acc)
     kh = k.transpose(1, 2).to(acc).repeat_interleave(hq // hk, dim=1)
     vh = v.transpose(1, 2).to(acc).repeat_interleave(hq // hk, dim=1)
+    if sk == 0:  # no key at all: every row is empty
+        return (q.new_zeros(b, sq, hq, v.shape[-1]),
+                torch.full((b, hq, sq), float("inf"), dtype=acc, device=q.device))
     outs, lses = [], []
     for r0 in range(0, max(sq, 1), chunk_size):
         rows = slice(r0, min(sq, r0 + chunk_size))

@@ -16,7 +16,7 @@ echo "build: $(( $(date +%s) - t0 )) s for head dims ${FLASHMASK_HEAD_DIMS:-all}
 grep -h "registers\|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20 > "$OUT/ptxas.txt"
 rc=0
 if [ -n "${TESTS:-}" ]; then
-    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider ${TESTS} 2>&1 | tee "$OUT/tests.log" | tail -40
+    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q --maxfail=${MAXFAIL:-8} -p no:cacheprovider ${TESTS} 2>&1 | tee "$OUT/tests.log" | tail -40
     rc=${PIPESTATUS[0]}
 fi
 if [ -n "${BENCH:-}" ]; then

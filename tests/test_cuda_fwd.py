@@ -1,5 +1,4 @@
 """Forward kernel against the reference path (GPU only; skipped without CUDA or without the build)."""
-import itertools
 import random
 
 import pytest
@@ -10,33 +9,9 @@ import masks
 from masks.examples import example
 from flashmask import _cuda
 from attn_helpers import assert_close_to_reference, random_startend
+from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, run_kernel
 
 pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
-
-DTYPES = [t for t in (torch.float16, torch.bfloat16) if _cuda.available() and t in _cuda.compiled_dtypes()]
-HEAD_DIMS = [d for d in (32, 40, 64, 80, 96, 128, 160, 192, 256)
-             if _cuda.available() and d <= max(_cuda.compiled_head_dims() or (0,))]
-MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
-
-
-def run_kernel(q, k, v, startend, causal, **kw):
-    # Poison the allocator's free blocks so that unwritten outputs show as NaN.
-    junk = torch.full((q.numel() * 4 + (1 << 20),), float("nan"), device=q.device)
-    del junk
-    out, lse = flashmask.flashmask_attention(q, k, v, startend, causal=causal, return_lse=True, backend="cuda", **kw)
-    torch.cuda.synchronize()
-    return out, lse
-
-
-def make_qkv(b, sq, sk, hq, hk, d, dtype, layout="bshd"):
-    if layout == "bhsd":  # a transposed [B, H, S, D] tensor, passed without a copy
-        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype).transpose(1, 2)
-        k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype).transpose(1, 2)
-        v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype).transpose(1, 2)
-        return q, k, v
-    return tuple(torch.randn(b, s, h, d, device="cuda", dtype=dtype)
-                 for s, h in ((sq, hq), (sk, hk), (sk, hk)))
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HEAD_DIMS)

@@ -1,0 +1,302 @@
+"""Throughput of flashmask vs FlexAttention vs SDPA over the twelve mask families.
+
+For every (family, seqlen, head dim) the mask is ``masks.examples.example(family, seqlen)``; every
+method gets exactly that mask (FlexAttention through a mask_mod read from the same
+``startend_row_indices``; SDPA through the dense bool mask, or ``is_causal`` for the flash and cuDNN
+backends when the mask is plain causal or full). FLOPs are counted on unmasked pairs only
+(SPEC section 5), so TFLOP/s of different methods on one row compare their times directly.
+
+Example::
+
+    python benchmarks/bench_kernels.py                      # 12 families x 8K, 32K x fwd, fwd+bwd
+    python benchmarks/bench_kernels.py --families causal,document --seqlens 8k,32k,128k --plot
+    python benchmarks/bench_kernels.py --modes fwd,bwd,fwdbwd --methods flashmask,flex --quick
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import OrderedDict
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import METHODS, MODES  # noqa: E402
+
+import torch  # noqa: E402
+
+DEFAULT_METHODS = ",".join(METHODS)
+MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import masks
+    p = argparse.ArgumentParser(
+        prog="bench_kernels.py",
+        description="Time flashmask against FlexAttention and SDPA on every mask family "
+                    "(TFLOP/s counted on unmasked pairs: fwd = 4*B*H*D*pairs, bwd = 2.5x, fwd+bwd = 3.5x).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--families", default="all", help=f"comma list or 'all': {', '.join(masks.FAMILIES)}")
+    p.add_argument("--seqlens", default="8192,32768", help="comma list; 'k' suffix = 1024 (e.g. 8k,32k,128k)")
+    p.add_argument("--head-dims", default="128", help="comma list of head dims")
+    p.add_argument("--heads", type=int, default=16, help="query = key/value heads")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods")
+    p.add_argument("--out", default=None,
+                   help="folder for kernels.csv / kernels.json (and plots/); default benchmarks/results/kernels")
+    p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (warmup 10 ms, rep 30 ms)")
+    p.add_argument("--warmup", type=float, default=None, help="do_bench warmup in ms (default 25, --quick 10)")
+    p.add_argument("--rep", type=float, default=None, help="do_bench repetition time in ms (default 100, --quick 30)")
+    p.add_argument("--force", action="store_true",
+                   help="time flashmask backward even without a backward kernel (slow reference path)")
+    p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
+                   help="create_block_mask eagerly (dense SxS temporaries) or through torch.compile; "
+                        "auto: eager when 8*S^2 bytes fit in half the free memory")
+    p.add_argument("--dense-mem-fraction", type=float, default=0.5,
+                   help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("testing options")
+    g.add_argument("--device", default="cuda", help="torch device (cpu only for smoke tests)")
+    g.add_argument("--flashmask-backend", default="cuda", choices=["cuda", "auto", "reference"],
+                   help="backend= passed to flashmask_attention")
+    g.add_argument("--flex-no-compile", action="store_true", help="eager flex_attention (slow; for smoke tests)")
+    return p
+
+
+def parse_args(argv=None):
+    import masks
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.families = common.parse_choice_list(args.families, list(masks.FAMILIES), "families")
+        args.seqlens = common.parse_int_list(args.seqlens)
+        args.head_dims = common.parse_int_list(args.head_dims)
+        args.modes = common.parse_choice_list(args.modes, MODES, "modes")
+        args.methods = common.parse_choice_list(args.methods, METHODS, "methods")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.warmup is None:
+        args.warmup = 10.0 if args.quick else 25.0
+    if args.rep is None:
+        args.rep = 30.0 if args.quick else 100.0
+    if args.out is None:
+        args.out = common.default_out_dir("kernels")
+    return args
+
+
+def _cell(row, key="ms", fmt="{:.3f}"):
+    """A table cell: the number, or the row's status (n/a, OOM, err) when it has none."""
+    if row is None:
+        return "-"
+    if row["status"] != "ok" or row.get(key) is None:
+        return {"n/a": "n/a", "oom": "OOM", "error": "err"}.get(row["status"], row["status"])
+    return fmt(row[key]) if callable(fmt) else fmt.format(row[key])
+
+
+def _tf(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def summary_table(rows) -> str:
+    """One line per (family, seqlen, head dim, mode): flashmask vs flex vs SDPA."""
+    groups = OrderedDict()
+    for r in rows:
+        groups.setdefault((r["family"], r["seqlen"], r["head_dim"], r["mode"]), {})[r["method"]] = r
+    table = []
+    for (fam, s, d, mode), by in groups.items():
+        fm, fx, dn = by.get("flashmask"), by.get("flex"), by.get("sdpa_dense")
+        fa, cu = by.get("sdpa_flash"), by.get("sdpa_cudnn")
+        density = next((r["density"] for r in by.values() if r.get("density") is not None), None)
+        speed = "-"
+        if fm and fx and fm["status"] == "ok" and fx["status"] == "ok" and fm["ms"] and fx["ms"]:
+            speed = f"{fx['ms'] / fm['ms']:.2f}x"
+        fa_cu = "-" if fa is None and cu is None else f"{_cell(fa, 'tflops', _tf)}/{_cell(cu, 'tflops', _tf)}"
+        table.append([fam, common.fmt_len(s), d, MODE_LABEL[mode], "-" if density is None else f"{density:.3f}",
+                      _cell(fm), _cell(fm, "tflops", _tf), _cell(fx), _cell(fx, "tflops", _tf),
+                      _cell(dn, "tflops", _tf), fa_cu, speed])
+    headers = ["family", "S", "D", "mode", "density", "fm ms", "fm TF/s", "flex ms", "flex TF/s", "dense TF/s",
+               "fa2/cudnn TF/s", "vs flex"]
+    return common.format_table(headers, table, align="lrrlrrrrrrrr")
+
+
+def plot_families(rows, out_dir: str):
+    """``out_dir/<family>.png``: TFLOP/s per method, grouped by seqlen (one panel per mode)."""
+    plt = common.pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    families = list(OrderedDict.fromkeys(r["family"] for r in rows))
+    for fam in families:
+        fr = [r for r in rows if r["family"] == fam]
+        modes = list(OrderedDict.fromkeys(r["mode"] for r in fr))
+        methods = list(OrderedDict.fromkeys(r["method"] for r in fr))
+        configs = list(OrderedDict.fromkeys((r["seqlen"], r["head_dim"]) for r in fr))
+        multi_d = len({d for _, d in configs}) > 1
+        fig, axes = plt.subplots(1, len(modes), figsize=(max(5.0, 1.6 * len(configs) * len(methods) / 2) * len(modes), 4),
+                                 squeeze=False)
+        width = 0.8 / max(1, len(methods))
+        for ax, mode in zip(axes[0], modes):
+            for i, m in enumerate(methods):
+                xs, ys = [], []
+                for x, (s, d) in enumerate(configs):
+                    r = next((r for r in fr if r["mode"] == mode and r["method"] == m and r["seqlen"] == s
+                              and r["head_dim"] == d), None)
+                    if r is not None and r["status"] == "ok" and r.get("tflops") is not None:
+                        xs.append(x + (i - (len(methods) - 1) / 2) * width)
+                        ys.append(r["tflops"])
+                if xs:
+                    color = f"C{METHODS.index(m)}" if m in METHODS else None  # one colour per method in every chart
+                    ax.bar(xs, ys, width=width, label=m, color=color)
+            labels = []
+            for s, d in configs:
+                dens = next((r["density"] for r in fr if r["seqlen"] == s and r.get("density") is not None), None)
+                lab = f"S={common.fmt_len(s)}" + (f" D={d}" if multi_d else "")
+                labels.append(lab + ("" if dens is None else f"\ndensity {dens:.3f}"))
+            ax.set_xticks(range(len(configs)))
+            ax.set_xticklabels(labels)
+            ax.set_ylabel("TFLOP/s (unmasked pairs)")
+            ax.set_title(f"{fam}: {MODE_LABEL[mode]}")
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{fam}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=None, build_ms=None, first=None,
+         notes=""):
+    return {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "batch": args.batch, "mode": mode,
+            "method": method, "status": status, "density": density, "pairs": pairs, "ms": ms, "tflops": tflops,
+            "mask_build_ms": build_ms, "first_call_s": first, "notes": notes}
+
+
+def _progress(i, total, r):
+    what = f"{r['family']} S={common.fmt_len(r['seqlen'])} D={r['head_dim']} {MODE_LABEL[r['mode']]:7s} {r['method']:10s}"
+    if r["status"] == "ok":
+        res = f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  first call {r['first_call_s']:.2f} s"
+    else:
+        res = f"{r['status']}"
+    notes = f"  [{r['notes']}]" if r.get("notes") else ""
+    print(f"[{i:4d}/{total}] {what} {res}{notes}", flush=True)
+
+
+def run(args) -> list:
+    from masks.examples import example
+    import flashmask
+
+    device = torch.device(args.device)
+    dtype = common.DTYPES[args.dtype]
+    common.configure_dynamo(retain_graph="bwd" in args.modes)
+    opts = common.Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
+                          flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction,
+                          force_backward=args.force)
+    meta = {"script": "bench_kernels", "args": {k: v for k, v in vars(args).items()},
+            "env": common.environment(device), "flop_convention": "fwd=4*B*H*D*pairs, bwd=2.5x, fwd+bwd=3.5x"}
+    env = meta["env"]
+    print(f"device {env.get('gpu', device)} | torch {env['torch']} | triton {env['triton']} | flashmask kernels "
+          f"{env.get('flashmask_kernels')} (backward kernel: {env.get('flashmask_backward_kernel')})", flush=True)
+    if not flashmask.cuda.has_backward() and any(m != "fwd" for m in args.modes) and "flashmask" in args.methods:
+        print("note: no flashmask backward kernel: flashmask bwd rows are n/a"
+              + (" (timed on the reference path: --force)" if args.force else " (use --force to time the reference path)"),
+              flush=True)
+
+    rows: list = []
+    configs = [(f, s, d) for f in args.families for s in args.seqlens for d in args.head_dims]
+    total = len(configs) * len(args.methods) * len(args.modes)
+    done = 0
+    fatal = None
+    t_start = time.perf_counter()
+
+    def add(row):
+        nonlocal done
+        done += 1
+        rows.append(row)
+        _progress(done, total, row)
+
+    for ci, (fam, s, d) in enumerate(configs):
+        if fatal:
+            break
+        tensors = startend = None
+        try:
+            startend, causal = example(fam, s, batch_size=args.batch, device=device)
+            pairs = common.total_pairs(startend, causal, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
+            density = pairs / (args.batch * args.heads * s * s)
+            tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci)
+            setup_error = None
+        except Exception as e:
+            setup_error = {"status": common.status_of(e), "notes": f"setup: {common.format_error(e)}",
+                           "fatal": common.is_fatal_cuda_error(e)}
+        if setup_error is not None:
+            startend = tensors = None
+            common.cleanup()
+            for method in args.methods:
+                for mode in args.modes:
+                    add(_row(fam, s, d, args, mode, method, None, None, setup_error["status"],
+                             notes=setup_error["notes"]))
+            fatal = setup_error["notes"] if setup_error["fatal"] else None
+            continue
+        print(f"== {fam} S={common.fmt_len(s)} D={d}: causal={causal} C={startend.shape[-1]} density {density:.4f}",
+              flush=True)
+        problem = common.Problem(startend, causal, args.batch, args.heads, d, s, dtype, device)
+        for method in args.methods:
+            if fatal:
+                break
+            prep, failed = common.try_prepare(method, problem, opts)
+            if failed is not None:
+                if failed["status"] == "skip":  # e.g. flash/cuDNN SDPA with a mask they cannot take
+                    total -= len(args.modes)
+                    continue
+                common.cleanup()
+                for mode in args.modes:
+                    add(_row(fam, s, d, args, mode, method, density, pairs, failed["status"], notes=failed["notes"]))
+                fatal = failed["notes"] if failed["fatal"] else None
+                continue
+            for mode in args.modes:
+                if fatal:
+                    break
+                res = common.try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
+                add(_row(fam, s, d, args, mode, method, density, pairs, res["status"], ms=res.get("ms"),
+                         tflops=res.get("tflops"), build_ms=prep.build_ms, first=res.get("first_call_s"),
+                         notes=res["notes"]))
+                fatal = res["notes"] if res["fatal"] else None
+                if res["status"] != "ok":
+                    common.cleanup()
+            common.release(prep)
+            prep = None
+            common.cleanup(collect=False)
+        problem = tensors = startend = None
+        common.cleanup()
+        common.write_results(args.out, "kernels", rows, common.ROW_FIELDS, meta)  # partial results survive a crash
+    if fatal:
+        print(f"\nstopped early: the CUDA context is unusable after: {fatal}", flush=True)
+        meta["stopped_early"] = fatal
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    csv_path, json_path = common.write_results(args.out, "kernels", rows, common.ROW_FIELDS, meta)
+    print()
+    print(summary_table(rows))
+    print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
+    if args.plot and rows:
+        try:
+            paths = plot_families(rows, os.path.join(args.out, "plots"))
+            print(f"plots: {os.path.join(args.out, 'plots')} ({len(paths)} PNG)")
+        except Exception as e:
+            print(f"plotting failed: {common.format_error(e)}")
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

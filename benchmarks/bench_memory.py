@@ -1,0 +1,251 @@
+"""GPU memory: the mask representations, and one attention call per method, at 32K and 128K.
+
+Mask representation (per family and length):
+
+* flashmask: ``startend_row_indices`` (``B*Hm*S*C`` int32) plus the per-key-block bounds the
+  kernel derives per call (8 int32 per block of ``Bc`` keys: O(S / Bc));
+* FlexAttention: the ``BlockMask`` tensors (O((S/128)^2) index tables), and the peak memory of
+  building it (eager ``create_block_mask`` materialises the S x S mask; beyond half the free memory
+  it is built through ``torch.compile`` instead);
+* SDPA: the dense bool mask (S^2 bytes; SDPA also makes an S^2 additive mask in the input dtype on
+  every call), skipped where it does not fit.
+
+Attention call: peak memory above what was allocated before the call (q, k, v, dout and the
+method's mask are already there), for the forward alone and for forward + backward, measured on a
+second call (the first one compiles, makes plans and workspaces) with
+``torch.cuda.reset_peak_memory_stats`` / ``max_memory_allocated``.
+
+Example::
+
+    python benchmarks/bench_memory.py
+    python benchmarks/bench_memory.py --families causal_document,document --seqlens 32k,128k,256k
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import METHODS  # noqa: E402
+
+import torch  # noqa: E402
+
+FIELDS = ("family", "seqlen", "head_dim", "heads", "batch", "method", "status", "density", "mask_bytes",
+          "build_peak_bytes", "fwd_peak_bytes", "fwdbwd_peak_bytes", "startend_bytes", "bounds_bytes",
+          "bwd_bounds_bytes", "flex_block_mask_bytes_est", "dense_mask_bytes", "notes")
+MEASURED = ("fwd", "fwdbwd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import masks
+    p = argparse.ArgumentParser(
+        prog="bench_memory.py",
+        description="Peak GPU memory of the mask representations (startend + block bounds vs FlexAttention "
+                    "BlockMask vs dense S^2 mask) and of one attention forward / forward+backward per method.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--families", default="all", help=f"comma list or 'all': {', '.join(masks.FAMILIES)}")
+    p.add_argument("--seqlens", default="32768,131072", help="comma list; 'k' suffix = 1024")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of methods")
+    p.add_argument("--out", default=None, help="folder for memory.csv / memory.json; default benchmarks/results/memory")
+    p.add_argument("--force", action="store_true", help="measure flashmask backward even without a backward kernel")
+    p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
+                   help="how to run create_block_mask (auto: eager when 8*S^2 bytes fit in half the free memory)")
+    p.add_argument("--dense-mem-fraction", type=float, default=0.5,
+                   help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("testing options")
+    g.add_argument("--device", default="cuda", help="torch device; on a CPU only the flow runs (no memory numbers)")
+    g.add_argument("--flashmask-backend", default="cuda", choices=["cuda", "auto", "reference"])
+    g.add_argument("--flex-no-compile", action="store_true", help="eager flex_attention (for smoke tests)")
+    return p
+
+
+def parse_args(argv=None):
+    import masks
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.families = common.parse_choice_list(args.families, list(masks.FAMILIES), "families")
+        args.seqlens = common.parse_int_list(args.seqlens)
+        args.methods = common.parse_choice_list(args.methods, METHODS, "methods")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.out is None:
+        args.out = common.default_out_dir("memory")
+    return args
+
+
+def _peak_since(device, base: Optional[int]) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def _reset(device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def call_peak(prep, mode: str, tensors, device) -> Optional[int]:
+    """Peak bytes above the allocated memory before the call, on the second call of ``mode``."""
+    q, k, v, dout = tensors
+    step = common.make_step(prep.attn, mode, q, k, v, dout)
+    r = step()  # compiles, plans, workspaces
+    del r
+    base = _reset(device)
+    r = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peak = _peak_since(device, base)
+    del r, step
+    return peak
+
+
+def run(args) -> list:
+    from masks.examples import example
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_memory.py measures CUDA memory: no CUDA device is available")
+    if device.type != "cuda":
+        print(f"note: memory statistics need CUDA; on {device} only the flow runs", flush=True)
+    dtype = common.DTYPES[args.dtype]
+    d = args.head_dim
+    common.configure_dynamo()
+    opts = common.Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
+                          flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction,
+                          force_backward=args.force)
+    meta = {"script": "bench_memory", "args": vars(args), "env": common.environment(device)}
+    env = meta["env"]
+    print(f"device {env.get('gpu', device)} | torch {env['torch']} | flashmask backward kernel "
+          f"{env.get('flashmask_backward_kernel')}", flush=True)
+    rows, rep_rows = [], []
+    fatal = None
+    t_start = time.perf_counter()
+    for s in args.seqlens:
+        if fatal:
+            break
+        try:
+            tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed)
+        except Exception as e:
+            print(f"S={common.fmt_len(s)}: cannot allocate the inputs: {common.format_error(e)}", flush=True)
+            tensors = None
+            common.cleanup()
+            continue
+        for fam in args.families:
+            if fatal:
+                break
+            try:
+                startend, causal = example(fam, s, batch_size=args.batch, device=device)
+                pairs = common.total_pairs(startend, causal, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
+            except Exception as e:
+                print(f"{fam} S={common.fmt_len(s)}: mask setup failed: {common.format_error(e)}", flush=True)
+                startend = None
+                common.cleanup()
+                continue
+            density = pairs / (args.batch * args.heads * s * s)
+            bm_heads = args.heads if startend.shape[1] > 1 else 1
+            rep = {"family": fam, "seqlen": s, "density": density,
+                   "startend_bytes": startend.numel() * startend.element_size(),
+                   "bounds_bytes": common.bounds_bytes(startend, common.fwd_tile(d)[1]),
+                   "bwd_bounds_bytes": common.bounds_bytes(startend, common.bwd_tile(d)[1]),
+                   "flex_block_mask_bytes_est": common.block_mask_bytes_estimate(startend.shape[0], bm_heads, s, s),
+                   "dense_mask_bytes": common.dense_mask_bytes(startend.shape[0], startend.shape[1], s, s)}
+            rep_rows.append(rep)
+            problem = common.Problem(startend, causal, args.batch, args.heads, d, s, dtype, device)
+            for method in args.methods:
+                if fatal:
+                    break
+                row = {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "batch": args.batch,
+                       "method": method, "density": density, **{k: rep[k] for k in FIELDS if k in rep}}
+                notes = []
+                base = _reset(device)
+                prep, failed = common.try_prepare(method, problem, opts)
+                if failed is not None:
+                    if failed["status"] == "skip":
+                        continue
+                    row.update(status=failed["status"], notes=failed["notes"])
+                    fatal = failed["notes"] if failed["fatal"] else None
+                    common.cleanup()
+                else:
+                    row["build_peak_bytes"] = _peak_since(device, base)
+                    row["mask_bytes"] = prep.mask_bytes
+                    notes.extend(n for n in prep.notes if n)
+                    status = "ok"
+                    for mode in MEASURED:
+                        if mode != "fwd" and prep.no_backward:
+                            notes.append(f"fwd+bwd {prep.no_backward}")
+                            continue
+                        try:
+                            row[f"{mode}_peak_bytes"] = call_peak(prep, mode, tensors, device)
+                        except Exception as e:
+                            status = status if status != "ok" else common.status_of(e)
+                            notes.append(f"{mode}: {common.format_error(e)}")
+                            if common.is_fatal_cuda_error(e):
+                                fatal = common.format_error(e)
+                            del e
+                            common.cleanup()
+                    row.update(status=status, notes="; ".join(notes))
+                rows.append(row)
+                print(f"{fam} S={common.fmt_len(s)} {method:10s} {row['status']:5s} mask {common.fmt_bytes(row.get('mask_bytes'))}"
+                      f" | build peak {common.fmt_bytes(row.get('build_peak_bytes'))}"
+                      f" | fwd peak {common.fmt_bytes(row.get('fwd_peak_bytes'))}"
+                      f" | fwd+bwd peak {common.fmt_bytes(row.get('fwdbwd_peak_bytes'))}"
+                      + (f"  [{row['notes']}]" if row.get("notes") else ""), flush=True)
+                common.release(prep)
+                prep = None
+                common.cleanup(collect=False)
+            startend = problem = None
+            common.cleanup()
+            common.write_results(args.out, "memory", rows, FIELDS, meta)
+        tensors = None
+        common.cleanup()
+    if fatal:
+        print(f"\nstopped early: the CUDA context is unusable after: {fatal}", flush=True)
+        meta["stopped_early"] = fatal
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    meta["representations"] = rep_rows
+    fb = common.fmt_bytes
+    print("\nMask representation (bytes kept for the calls; dense = S^2 bool, before SDPA's per-call additive copy)")
+    flex_built = {(r["family"], r["seqlen"]): r["mask_bytes"] for r in rows
+                  if r["method"] == "flex" and r.get("mask_bytes") is not None}
+    print(common.format_table(
+        ["family", "S", "density", "startend", f"+ fwd bounds (Bc={common.fwd_tile(d)[1]})",
+         f"+ bwd bounds (Bc={common.bwd_tile(d)[1]})", "flex BlockMask", "dense bool"],
+        [[r["family"], common.fmt_len(r["seqlen"]), f"{r['density']:.3f}", fb(r["startend_bytes"]), fb(r["bounds_bytes"]),
+          fb(r["bwd_bounds_bytes"]),
+          fb(flex_built.get((r["family"], r["seqlen"]))) if flex_built.get((r["family"], r["seqlen"])) is not None
+          else "~" + fb(r["flex_block_mask_bytes_est"]), fb(r["dense_mask_bytes"])] for r in rep_rows],
+        align="lrrrrrrr"))
+    print("\nOne call: peak memory above inputs + mask (second call; 'build peak' = building the mask representation)")
+    print(common.format_table(
+        ["family", "S", "method", "status", "mask", "build peak", "fwd peak", "fwd+bwd peak", "notes"],
+        [[r["family"], common.fmt_len(r["seqlen"]), r["method"], r["status"], fb(r.get("mask_bytes")),
+          fb(r.get("build_peak_bytes")), fb(r.get("fwd_peak_bytes")), fb(r.get("fwdbwd_peak_bytes")),
+          (r.get("notes") or "")[:90]] for r in rows],
+        align="lrllrrrrl"))
+    csv_path, json_path = common.write_results(args.out, "memory", rows, FIELDS, meta)
+    print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
+    return rows
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

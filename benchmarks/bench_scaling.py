@@ -1,0 +1,205 @@
+"""Run time vs sparsity: causal-document masks with 1, 2, 4, ..., 64 equal documents.
+
+If the kernels' run time follows the unmasked tiles, ``ms / density`` stays about constant as the
+documents get shorter (it grows a little once documents are only a few tiles long, since the
+diagonal tiles are then a larger share: ``tile density`` and ``ms / tile density`` show that).
+
+Example::
+
+    python benchmarks/bench_scaling.py                       # S = 32K, flashmask fwd (+ fwd+bwd with a bwd kernel)
+    python benchmarks/bench_scaling.py --methods flashmask,flex --plot
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import MODES  # noqa: E402
+
+import torch  # noqa: E402
+
+FIELDS = ("docs", "seqlen", "head_dim", "heads", "batch", "mode", "method", "status", "density", "tile_density",
+          "pairs", "ms", "tflops", "ms_per_density", "ms_per_tile_density", "first_call_s", "notes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_scaling.py",
+        description="Time vs sparsity for causal-document masks of 1, 2, 4, ... equal documents: "
+                    "ms, density, ms/density (about constant if time follows the unmasked tiles).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seqlen", default="32768", help="sequence length ('k' suffix = 1024)")
+    p.add_argument("--docs", default="1,2,4,8,16,32,64", help="comma list of document counts")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--modes", default="auto",
+                   help="comma list of fwd, bwd, fwdbwd; auto: fwd, plus fwdbwd when flashmask has a backward kernel")
+    p.add_argument("--methods", default="flashmask", help="comma list of flashmask, flex")
+    p.add_argument("--tile", default=None,
+                   help="forward tile BMxBN for the tile density (default: the kernel's for the head dim, e.g. 128x64)")
+    p.add_argument("--out", default=None, help="folder for scaling.csv / scaling.json; default benchmarks/results/scaling")
+    p.add_argument("--plot", action="store_true", help="write OUT/scaling.png (ms and ms/density vs documents)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (warmup 10 ms, rep 30 ms)")
+    p.add_argument("--warmup", type=float, default=None, help="do_bench warmup in ms (default 25, --quick 10)")
+    p.add_argument("--rep", type=float, default=None, help="do_bench repetition time in ms (default 100, --quick 30)")
+    p.add_argument("--force", action="store_true", help="time flashmask backward even without a backward kernel")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("testing options")
+    g.add_argument("--device", default="cuda", help="torch device (cpu only for smoke tests)")
+    g.add_argument("--flashmask-backend", default="cuda", choices=["cuda", "auto", "reference"])
+    g.add_argument("--flex-no-compile", action="store_true", help="eager flex_attention (slow; for smoke tests)")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        (args.seqlen,) = common.parse_int_list(args.seqlen)[:1]
+        args.docs = common.parse_int_list(args.docs)
+        args.methods = common.parse_choice_list(args.methods, ("flashmask", "flex"), "methods")
+        args.modes = None if args.modes == "auto" else common.parse_choice_list(args.modes, MODES, "modes")
+        if args.tile is not None:
+            bm, bn = (int(x) for x in args.tile.lower().split("x"))
+            args.tile = (bm, bn)
+        if any(n > args.seqlen for n in args.docs):
+            raise ValueError(f"more documents than tokens: {args.docs} for S={args.seqlen}")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.warmup is None:
+        args.warmup = 10.0 if args.quick else 25.0
+    if args.rep is None:
+        args.rep = 30.0 if args.quick else 100.0
+    if args.out is None:
+        args.out = common.default_out_dir("scaling")
+    return args
+
+
+def equal_docs(seqlen: int, n: int) -> list:
+    """``n`` document lengths summing to ``seqlen``, as equal as possible."""
+    base, extra = divmod(seqlen, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def plot(rows, path: str) -> None:
+    plt = common.pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    series = sorted({(r["method"], r["mode"]) for r in rows if r["status"] == "ok"})
+    for method, mode in series:
+        rs = [r for r in rows if r["status"] == "ok" and r["method"] == method and r["mode"] == mode]
+        x = [r["docs"] for r in rs]
+        a1.plot(x, [r["ms"] for r in rs], "o-", label=f"{method} {mode}")
+        a2.plot(x, [r["ms_per_density"] for r in rs], "o-", label=f"{method} {mode}: ms/density")
+        a2.plot(x, [r["ms_per_tile_density"] for r in rs], "x--", label=f"{method} {mode}: ms/tile density")
+    for ax, title in ((a1, "time (ms)"), (a2, "time / density (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("documents (equal lengths)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    a1.set_yscale("log")
+    a2.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> list:
+    import flashmask
+    import masks
+
+    device = torch.device(args.device)
+    dtype = common.DTYPES[args.dtype]
+    s, d = args.seqlen, args.head_dim
+    modes = args.modes
+    if modes is None:
+        has_bwd = args.flashmask_backend != "cuda" or flashmask.cuda.has_backward() or args.force
+        modes = ["fwd", "fwdbwd"] if has_bwd else ["fwd"]
+        if not has_bwd:
+            print("note: no flashmask backward kernel: forward only (--force or --modes fwdbwd to add it)", flush=True)
+    common.configure_dynamo(retain_graph="bwd" in modes)
+    opts = common.Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
+                          force_backward=args.force)
+    tile = args.tile or common.fwd_tile(d)
+    meta = {"script": "bench_scaling", "args": vars(args), "modes": modes, "tile": tile,
+            "env": common.environment(device)}
+    rows = []
+    tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed)
+    base = {}  # (method, mode) -> ms/density of the first document count, for the relative column
+    t_start = time.perf_counter()
+    for n in args.docs:
+        startend = masks.causal_document(s, [equal_docs(s, n)] * args.batch, device=device)
+        pairs = common.total_pairs(startend, True, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
+        density = pairs / (args.batch * args.heads * s * s)
+        ts = common.tile_stats(startend, True, s, *tile)
+        problem = common.Problem(startend, True, args.batch, args.heads, d, s, dtype, device)
+        for method in args.methods:
+            prep, failed = common.try_prepare(method, problem, opts)
+            for mode in modes:
+                row = {"docs": n, "seqlen": s, "head_dim": d, "heads": args.heads, "batch": args.batch, "mode": mode,
+                       "method": method, "density": density, "tile_density": ts["live_fraction"], "pairs": pairs}
+                if failed is not None:
+                    row.update(status=failed["status"], notes=failed["notes"])
+                else:
+                    res = common.try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
+                    res.pop("fatal", None)
+                    row.update(res)
+                    if res["status"] == "ok":
+                        row["ms_per_density"] = res["ms"] / density
+                        row["ms_per_tile_density"] = res["ms"] / ts["live_fraction"]
+                rows.append(row)
+                rel = ""
+                if row["status"] == "ok":
+                    b = base.setdefault((method, mode), row["ms_per_density"])
+                    rel = f"  ms/density x{row['ms_per_density'] / b:.2f} of {args.docs[0]} doc(s)"
+                    print(f"docs {n:3d} {method:9s} {mode:6s} density {density:.4f} tiles {ts['live_fraction']:.4f} "
+                          f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s{rel}", flush=True)
+                else:
+                    print(f"docs {n:3d} {method:9s} {mode:6s} {row['status']}: {row.get('notes', '')}", flush=True)
+                    common.cleanup()
+            common.release(prep)
+            prep = None
+            common.cleanup(collect=False)
+        startend = problem = None
+        common.cleanup()
+    tensors = None
+    common.cleanup()
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+
+    def num(v, f):
+        return "-" if v is None else f.format(v)
+
+    table = [[r["docs"], r["method"], r["mode"], num(r["density"], "{:.4f}"), num(r["tile_density"], "{:.4f}"),
+              num(r.get("ms"), "{:.3f}") if r["status"] == "ok" else r["status"], num(r.get("tflops"), "{:.0f}"),
+              num(r.get("ms_per_density"), "{:.2f}"), num(r.get("ms_per_tile_density"), "{:.2f}")] for r in rows]
+    print()
+    print(f"causal document, S={common.fmt_len(s)}, B={args.batch}, H={args.heads}, D={d}, tile {tile[0]}x{tile[1]}")
+    print(common.format_table(["docs", "method", "mode", "density", "tile density", "ms", "TFLOP/s", "ms/density",
+                               "ms/tile density"], table, align="rllrrrrrr"))
+    csv_path, json_path = common.write_results(args.out, "scaling", rows, FIELDS, meta)
+    print(f"\n-> {csv_path}, {json_path}")
+    if args.plot and rows:
+        try:
+            path = os.path.join(args.out, "scaling.png")
+            plot(rows, path)
+            print(f"plot: {path}")
+        except Exception as e:
+            print(f"plotting failed: {common.format_error(e)}")
+    return rows
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

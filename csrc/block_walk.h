@@ -1,0 +1,127 @@
+// Which tiles of the (query block x key block) grid a CTA must visit, from the causal bound and
+// the per-key-block interval bounds, and which of those need the element-wise compare.
+#pragma once
+#include "mask_bounds.h"
+#include "tile_ops.h"
+
+namespace flashmask {
+
+struct TileCompare {
+    bool intervals;  // the column intervals cut the tile partly: test them per element
+    bool any;        // some element needs a test (intervals, causal diagonal or end of keys)
+};
+
+// Element test of a tile whose compare flags are known; `vals` are the column's raw C values.
+template <bool Is_causal, int kMaskC>
+__device__ __forceinline__ bool element_masked(const TileCompare& t, int row, int col, int sk, int causal_offset,
+                                               const int (&vals)[kMaskC > 0 ? kMaskC : 1]) {
+    bool masked = col >= sk;
+    if (Is_causal) masked |= col > row + causal_offset;
+    if constexpr (kMaskC > 0) masked |= t.intervals && row_masked<Is_causal, kMaskC>(vals, row);
+    return masked;
+}
+
+__device__ __forceinline__ TileCompare tile_compare(const int* bnd, int r0, int r1, int c0, int block_n, int sk,
+                                                    bool causal, int causal_offset) {
+    TileCompare t{false, c0 + block_n > sk};  // keys past the end
+    if (causal) t.any |= c0 + block_n - 1 > r0 + causal_offset;  // crosses the diagonal
+    if (bnd != nullptr) t.intervals = classify_tile(bnd, r0, r1).partial;
+    t.any |= t.intervals;
+    return t;
+}
+
+// Starts the asynchronous copy of the raw [BlockN, C] mask columns of the key block at c0 into
+// shared memory (part of the caller's next cp.async group).
+template <int kBlockN, int kMaskC, int kNThreads>
+__device__ __forceinline__ void stage_mask_columns(int* smem_mask, const int* mask_cols, int c0, int sk, int tidx) {
+    const int* src = mask_cols + int64_t(c0) * kMaskC;
+    const int valid = min(kBlockN, sk - c0) * kMaskC;
+    for (int i = tidx; i < kBlockN * kMaskC; i += kNThreads) {
+        cp_async_4(smem_mask + i, i < valid ? src + i : mask_cols, i < valid);
+    }
+}
+
+// Sets the masked scores of a tile to -inf. s and coords are (rows, cols) views of the score
+// accumulator and of its identity partition; smem_mask holds the tile's key block as staged above.
+template <bool Is_causal, int kMaskC, typename S, typename Coords>
+__device__ __forceinline__ void mask_scores(S& s, Coords const& coords, const TileCompare& t, int r0, int c0, int sk,
+                                            int causal_offset, const int* smem_mask) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) {
+        const int c = get<1>(coords(0, ni));
+        int vals[kMaskC > 0 ? kMaskC : 1] = {};
+        if (kMaskC > 0 && t.intervals) {
+            CUTE_UNROLL
+            for (int v = 0; v < kMaskC; ++v) vals[v] = smem_mask[c * kMaskC + v];
+        }
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(s); ++mi) {
+            const int row = r0 + get<0>(coords(mi, 0));
+            if (element_masked<Is_causal, kMaskC>(t, row, c0 + c, sk, causal_offset, vals)) s(mi, ni) = -INFINITY;
+        }
+    }
+}
+
+// Forward and dQ: a query tile [r0, r1) walks key blocks downwards.
+template <int kBlockN, bool Is_causal, bool Has_mask>
+struct KeyBlockWalk {
+    const int* bounds;  // this (batch, mask head)'s [n_key_blocks, 8], or nullptr
+    int r0, r1, sk, causal_offset;
+
+    // One past the last key block any row of the tile may see.
+    __device__ int end() const {
+        int n = (sk + kBlockN - 1) / kBlockN;
+        if (Is_causal) {
+            const int last_key = r1 - 1 + causal_offset;
+            n = last_key < 0 ? 0 : min(n, last_key / kBlockN + 1);
+        }
+        return n;
+    }
+    // The largest visible block <= n, or -1.
+    __device__ int visible_at_or_below(int n) const {
+        if (Has_mask) {
+            while (n >= 0 && classify_tile(bounds + n * kNumBounds, r0, r1).fully_masked) --n;
+        }
+        return n;
+    }
+    __device__ TileCompare compare(int n) const {
+        return tile_compare(Has_mask ? bounds + n * kNumBounds : nullptr, r0, r1, n * kBlockN, kBlockN, sk,
+                            Is_causal, causal_offset);
+    }
+};
+
+// dK/dV: a key block [c0, c0 + BlockN) walks query blocks upwards, jumping over runs of rows that
+// one interval masks for every column of the block.
+template <int kBlockM, int kBlockN, bool Is_causal, bool Has_mask>
+struct QueryBlockWalk {
+    const int* bnd;  // this key block's 8 bounds, or nullptr
+    int c0, sq, sk, causal_offset, m_end;
+
+    __device__ int begin() const {
+        if (!Is_causal) return 0;
+        const int first_row = c0 - causal_offset;  // the first row that sees key c0
+        return first_row <= 0 ? 0 : min(first_row / kBlockM, m_end);
+    }
+    // The smallest visible block >= m, or m_end.
+    __device__ int visible_at_or_above(int m) const {
+        if (Has_mask) {
+            while (m < m_end) {
+                const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
+                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
+                    m = max(m + 1, bnd[kLteMin] / kBlockM);
+                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
+                    m = max(m + 1, bnd[kUteMin] / kBlockM);
+                } else {
+                    break;
+                }
+            }
+        }
+        return min(m, m_end);
+    }
+    __device__ TileCompare compare(int m) const {
+        const int r0 = m * kBlockM;
+        return tile_compare(bnd, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal, causal_offset);
+    }
+};
+
+}  // namespace flashmask

@@ -1,0 +1,35 @@
+"""Parameters and input makers shared by the GPU tests."""
+import torch
+
+import flashmask
+from flashmask import _cuda
+
+DTYPES = [t for t in (torch.float16, torch.bfloat16) if _cuda.available() and t in _cuda.compiled_dtypes()]
+HEAD_DIMS = [d for d in (32, 40, 64, 80, 96, 128, 160, 192, 256)
+             if _cuda.available() and d <= max(_cuda.compiled_head_dims() or (0,))]
+MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
+
+
+def poison_allocator(numel):
+    """Fill the caching allocator's free blocks with NaN so that outputs a kernel fails to write show."""
+    junk = torch.full((numel * 4 + (1 << 20),), float("nan"), device="cuda")
+    del junk
+
+
+def run_kernel(q, k, v, startend, causal, **kw):
+    poison_allocator(q.numel())
+    out, lse = flashmask.flashmask_attention(q, k, v, startend, causal=causal, return_lse=True, backend="cuda", **kw)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def make_qkv(b, sq, sk, hq, hk, d, dtype, layout="bshd"):
+    if layout == "bhsd":  # a transposed [B, H, S, D] tensor, passed without a copy
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype).transpose(1, 2)
+        k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return q, k, v
+    return tuple(torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+                 for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+
+

@@ -1,0 +1,283 @@
+"""CPU checks of the benchmark suite: the pair counter and the FlexAttention mask_mod against
+``masks.format.to_dense``, the tile classifier, the CLIs, and a tiny end-to-end run on the CPU."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import masks
+from masks.examples import example
+from masks.format import to_dense
+
+from attn_helpers import random_startend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import bench_kernels, bench_memory, bench_scaling, common  # noqa: E402
+
+LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
+SIZES = [(1, 1), (1, 5), (5, 1), (17, 17), (9, 23), (23, 9), (64, 64)]
+
+
+def _dense_pairs(t, causal, sq):
+    return to_dense(t, causal, sq).sum((-1, -2))
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+@pytest.mark.parametrize("sq,sk", SIZES)
+def test_count_pairs_matches_dense_random(causal, c, sq, sk):
+    g = torch.Generator().manual_seed(sq * 1000 + sk * 10 + c + causal)
+    for _ in range(6):
+        t = random_startend(2, 3, sq, sk, causal, c, generator=g)
+        assert torch.equal(common.count_pairs(t, causal, sq), _dense_pairs(t, causal, sq))
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+def test_count_pairs_out_of_range_values(causal, c):
+    """Values outside [0, Sq] (which validate() rejects) still count like to_dense reads them."""
+    g = torch.Generator().manual_seed(7)
+    sq, sk = 13, 11
+    t = torch.randint(-4, sq + 5, (2, 1, sk, c), generator=g, dtype=torch.int32)
+    assert torch.equal(common.count_pairs(t, causal, sq), _dense_pairs(t, causal, sq))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sq,sk", SIZES)
+def test_count_pairs_without_mask(causal, sq, sk):
+    want = to_dense(None, causal, sq, sk).sum()
+    assert int(common.count_pairs(None, causal, sq, sk).sum()) == int(want)
+
+
+@pytest.mark.parametrize("family", list(masks.FAMILIES))
+@pytest.mark.parametrize("seqlen", [1, 2, 7, 33, 128, 300])
+def test_count_pairs_every_family(family, seqlen):
+    t, causal = example(family, seqlen, batch_size=2)
+    assert torch.equal(common.count_pairs(t, causal), _dense_pairs(t, causal, seqlen))
+
+
+def test_total_pairs_heads_and_batch():
+    g = torch.Generator().manual_seed(3)
+    t1 = random_startend(2, 1, 20, 20, True, 1, generator=g)
+    per = _dense_pairs(t1, True, 20)  # [2, 1]
+    assert common.total_pairs(t1, True, batch=2, heads=4, seqlen_q=20, seqlen_k=20) == 4 * int(per.sum())
+    t2 = random_startend(1, 2, 20, 20, False, 4, generator=g)
+    per = _dense_pairs(t2, False, 20)  # [1, 2]: each mask head covers 3 of 6 query heads
+    assert common.total_pairs(t2, False, batch=3, heads=6, seqlen_q=20, seqlen_k=20) == 3 * 3 * int(per.sum())
+    assert common.total_pairs(None, True, batch=1, heads=2, seqlen_q=4, seqlen_k=4) == 2 * 10
+    assert common.attn_flops(10, 128, "fwd") == 4 * 128 * 10
+    assert common.attn_flops(10, 128, "fwdbwd") == 3.5 * 4 * 128 * 10
+    assert common.attn_flops(10, 128, "bwd") == 2.5 * 4 * 128 * 10
+
+
+def _grid(b, h, sq, sk):
+    return (torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1),
+            torch.arange(sq).view(1, 1, sq, 1), torch.arange(sk).view(1, 1, 1, sk))
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+@pytest.mark.parametrize("sq,sk", [(16, 16), (9, 23), (23, 9)])
+@pytest.mark.parametrize("hm", [1, 2])
+def test_flex_mask_mod_matches_dense(causal, c, sq, sk, hm):
+    g = torch.Generator().manual_seed(sq + sk + c + hm)
+    heads = 4
+    for _ in range(4):
+        t = random_startend(2, hm, sq, sk, causal, c, generator=g)
+        mm = common.flex_mask_mod(t, causal, sq, num_heads=heads)
+        got = mm(*_grid(2, heads, sq, sk)).expand(2, heads, sq, sk)
+        want = to_dense(t, causal, sq).repeat_interleave(heads // hm, dim=1)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", list(masks.FAMILIES))
+def test_flex_mask_mod_every_family(family):
+    t, causal = example(family, 96)
+    got = common.flex_mask_mod(t, causal)(*_grid(1, 1, 96, 96))
+    assert torch.equal(got, to_dense(t, causal))
+
+
+def test_flex_mask_mod_cache_reuses_function_and_follows_values():
+    cache = common.FlexMaskModCache()
+    a, _ = example("causal_document", 64)
+    b, _ = example("sliding_window", 64)
+    fa = cache.get(a, True, 64, 2)
+    fb = cache.get(b, True, 64, 2)
+    assert fa is fb
+    assert torch.equal(fb(*_grid(1, 1, 64, 64)), to_dense(b, True))
+    c, _ = example("causal_blockwise", 64)  # C=2: another layout, another function
+    assert cache.get(c, True, 64, 2) is not fa
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+def test_flex_create_block_mask_on_cpu(causal, c):
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(11 + c)
+    s, blk = 256, 128
+    t = random_startend(1, 1, s, s, causal, c, generator=g)
+    bm = fa.create_block_mask(common.flex_mask_mod(t, causal), None, None, s, s, device="cpu")
+    dense = to_dense(t, causal)[0, 0]
+    want = dense.view(s // blk, blk, s // blk, blk).any(3).any(1).int()
+    assert torch.equal(bm.to_dense()[0, 0], want)
+    assert common.block_mask_bytes(bm) == common.block_mask_bytes_estimate(1, 1, s, s)
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+@pytest.mark.parametrize("sq,sk,bm,bn", [(40, 40, 8, 4), (37, 29, 8, 8), (29, 37, 4, 16), (64, 64, 128, 64)])
+def test_tile_stats_is_sound(causal, c, sq, sk, bm, bn):
+    """Skipped tiles hold no attended pair; live tiles not marked partial hold no masked pair."""
+    g = torch.Generator().manual_seed(sq * bm + sk * bn + c)
+    for _ in range(4):
+        t = random_startend(2, 1, sq, sk, causal, c, generator=g)
+        st = common.tile_stats(t, causal, sq, bm, bn, return_maps=True)
+        dense = to_dense(t, causal, sq)
+        for b in range(2):
+            for i in range(st["live_map"].shape[2]):
+                for j in range(st["live_map"].shape[3]):
+                    tile = dense[b, 0, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+                    if not st["live_map"][b, 0, i, j]:
+                        assert not tile.any()
+                    elif not st["partial_map"][b, 0, i, j]:
+                        assert tile.all()
+        assert st["tiles"] == 2 * -(-sq // bm) * -(-sk // bn)
+
+
+def test_tile_stats_causal_document():
+    t, _ = example("causal_document", 1024)
+    full = common.tile_stats(None, True, 1024, 128, 64, seqlen_k=1024)
+    doc = common.tile_stats(t, True, 1024, 128, 64)
+    assert 0 < doc["live"] < full["live"] <= full["tiles"]
+
+
+def test_dense_mask_in_chunks_and_is_plain():
+    g = torch.Generator().manual_seed(5)
+    t = random_startend(2, 1, 33, 33, False, 4, generator=g)
+    assert torch.equal(common.dense_mask(t, False, 33, chunk_bytes=100), to_dense(t, False, 33))
+    assert common.is_plain(example("causal", 64)[0], True, 64)
+    assert common.is_plain(example("full", 64)[0], False, 64)
+    assert not common.is_plain(example("causal_document", 64)[0], True, 64)
+    fits, note = common.dense_fit(1, 1, 1024, 1024, torch.bfloat16, torch.device("cpu"))
+    assert fits and "GB" in note
+
+
+def test_parse_helpers():
+    assert common.parse_int_list("8192, 32k,128K") == [8192, 32768, 131072]
+    with pytest.raises(ValueError):
+        common.parse_int_list("8x")
+    assert common.parse_choice_list("all", ("a", "b"), "x") == ["a", "b"]
+    with pytest.raises(ValueError):
+        common.parse_choice_list("a,c", ("a", "b"), "x")
+    assert common.fmt_len(32768) == "32K" and common.fmt_bytes(3 * 2 ** 30) == "3.00 GiB"
+    assert "--" in common.format_table(["a", "b"], [[1, 2.5]])
+
+
+@pytest.mark.parametrize("module", [bench_kernels, bench_scaling, bench_memory])
+def test_cli_help(module, capsys):
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def test_scripts_run_as_files_without_cuda_or_triton():
+    """In a fresh interpreter with triton unimportable and no GPU: import every module, and run each
+    script file with --help as `python benchmarks/x.py --help` would (from another directory)."""
+    code = f"""
+import os, runpy, sys
+sys.modules['triton'] = None  # any `import triton` now fails
+for name in ('bench_kernels.py', 'bench_scaling.py', 'bench_memory.py'):
+    path = os.path.join({ROOT!r}, 'benchmarks', name)
+    sys.argv = [path, '--help']
+    try:
+        runpy.run_path(path, run_name='__main__')  # the scripts put the checkout on sys.path themselves
+    except SystemExit as e:
+        assert e.code == 0, (name, e.code)
+    else:
+        raise AssertionError(name + ' --help did not exit')
+import benchmarks.common, benchmarks.bench_kernels, benchmarks.bench_scaling, benchmarks.bench_memory
+import torch
+assert not torch.cuda.is_initialized()
+print('IMPORTS-OK')
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert "IMPORTS-OK" in r.stdout and r.stdout.count("usage:") == 3
+
+
+def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
+    rows = bench_kernels.run(bench_kernels.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--flex-no-compile", "--families",
+        "causal,global_sliding_window", "--seqlens", "64", "--heads", "2", "--head-dims", "16", "--modes",
+        "fwd,fwdbwd", "--methods", "flashmask,flex,sdpa_dense,sdpa_flash", "--warmup", "0", "--rep", "0",
+        "--out", str(tmp_path), "--plot"]))
+    out = capsys.readouterr().out
+    by = {(r["family"], r["mode"], r["method"]): r for r in rows}
+    # sdpa_flash takes only plain masks: rows for causal, none for global_sliding_window
+    assert ("causal", "fwd", "sdpa_flash") in by and ("global_sliding_window", "fwd", "sdpa_flash") not in by
+    assert len(rows) == 2 * 2 * 3 + 2
+    for fam in ("causal", "global_sliding_window"):
+        for mode in ("fwd", "fwdbwd"):
+            for m in ("flashmask", "sdpa_dense"):
+                r = by[(fam, mode, m)]
+                assert r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0, r
+        assert by[(fam, "fwd", "flex")]["status"] == "ok"  # flex backward does not run on the CPU: an error row
+        assert by[(fam, "fwdbwd", "flex")]["status"] == "error"
+        assert by[(fam, "fwd", "flex")]["mask_build_ms"] is not None
+    dens = {r["family"]: r["density"] for r in rows}
+    assert dens["causal"] == pytest.approx((64 * 65 / 2) / 64 ** 2)
+    with open(tmp_path / "kernels.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    with open(tmp_path / "kernels.json") as f:
+        data = json.load(f)
+    assert len(data["rows"]) == len(rows) and "env" in data["meta"]
+    assert (tmp_path / "plots" / "causal.png").exists()
+    assert "vs flex" in out and "global_sliding_window" in out
+
+
+def test_bench_kernels_backward_na_without_kernel(tmp_path, capsys, monkeypatch):
+    """With backend='cuda' and no backward kernel, flashmask bwd rows are n/a, not timed."""
+    import flashmask
+    monkeypatch.setattr(flashmask.cuda, "available", lambda: True)
+    monkeypatch.setattr(flashmask.cuda, "has_backward", lambda: False)
+    p = common.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
+    prep = common.prepare_method("flashmask", p, common.Options(flashmask_backend="cuda"))
+    assert prep.no_backward == "n/a (no kernel)"
+    res = common.try_time(prep, "fwdbwd", common.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
+                          100, 16, 0, 0, torch.device("cpu"))
+    assert res["status"] == "n/a" and res["notes"] == "n/a (no kernel)"
+    prep = common.prepare_method("flashmask", p, common.Options(flashmask_backend="cuda", force_backward=True))
+    assert prep.no_backward is None
+
+
+def test_bench_scaling_end_to_end_on_cpu(tmp_path, capsys):
+    rows = bench_scaling.run(bench_scaling.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--seqlen", "128", "--docs", "1,4", "--heads", "2",
+        "--head-dim", "16", "--warmup", "0", "--rep", "0", "--out", str(tmp_path), "--plot"]))
+    assert [(r["docs"], r["mode"]) for r in rows] == [(1, "fwd"), (1, "fwdbwd"), (4, "fwd"), (4, "fwdbwd")]
+    assert all(r["status"] == "ok" and r["ms_per_density"] > 0 for r in rows)
+    assert rows[2]["density"] < rows[0]["density"] and rows[2]["tile_density"] <= rows[0]["tile_density"]
+    assert (tmp_path / "scaling.png").exists() and (tmp_path / "scaling.csv").exists()
+    assert "ms/density" in capsys.readouterr().out
+
+
+def test_bench_memory_flow_on_cpu(tmp_path, capsys):
+    """Without CUDA the memory numbers are absent, but the whole flow and its tables run."""
+    rows = bench_memory.run(bench_memory.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--methods", "flashmask,sdpa_dense,sdpa_flash",
+        "--families", "causal,document", "--seqlens", "64", "--heads", "2", "--head-dim", "16",
+        "--out", str(tmp_path)]))
+    assert [(r["family"], r["method"]) for r in rows] == [
+        ("causal", "flashmask"), ("causal", "sdpa_dense"), ("causal", "sdpa_flash"),
+        ("document", "flashmask"), ("document", "sdpa_dense")]
+    assert all(r["status"] == "ok" for r in rows), rows
+    fm = rows[0]
+    assert fm["mask_bytes"] == fm["startend_bytes"] + fm["bounds_bytes"] and rows[1]["mask_bytes"] == 64 * 64
+    out = capsys.readouterr().out
+    assert "Mask representation" in out and "One call" in out
+    assert (tmp_path / "memory.csv").exists() and (tmp_path / "memory.json").exists()

@@ -1,0 +1,122 @@
+"""Backward kernels against the reference path, deterministic mode and torch.compile (GPU only)."""
+import random
+
+import pytest
+import torch
+
+import flashmask
+from flashmask import _cuda
+from flashmask.reference import reference_attention
+from attn_helpers import low_precision_attention, max_err, random_startend
+from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator
+from masks.examples import example
+import masks
+
+pytestmark = pytest.mark.skipif(not (_cuda.available() and _cuda.has_backward()),
+                                reason="needs a CUDA device and the built extension with its backward")
+
+
+def grads(fn, q, k, v, dout, dlse=None):
+    """Gradients of <out, dout> (+ <finite lse, dlse>) with respect to q, k, v under fn."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def check_backward(q, k, v, mask, causal, dlse=False, deterministic=False, scale=None, dout=None):
+    dout = torch.randn_like(q) if dout is None else dout
+    dl = torch.randn(q.shape[0], q.shape[2], q.shape[1], device="cuda") if dlse else None
+    poison_allocator(q.numel() * 3)
+    got = grads(lambda a, b, c: flashmask.flashmask_attention(
+        a, b, c, mask, causal=causal, softmax_scale=scale, return_lse=True, backend="cuda",
+        deterministic=deterministic), q, k, v, dout, dl)
+    # float32 reference on the same half-precision inputs, and the half-precision baseline.
+    ref = grads(lambda a, b, c: reference_attention(a.float(), b.float(), c.float(), mask, causal=causal,
+                                                    softmax_scale=scale), q, k, v, dout, dl)
+    low = grads(lambda a, b, c: low_precision_attention(a, b, c, mask, causal, scale), q, k, v, dout, dl)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        assert not torch.isnan(g).any(), f"NaN in {name}"
+        bound = 2 * max_err(lo, r) + 1e-3 * max(r.abs().max().item(), 1e-3)
+        err = max_err(g, r)
+        assert err <= bound, f"{name} error {err:.3e} > bound {bound:.3e}"
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal,c", MODES)
+def test_head_dims_random_masks(dtype, d, causal, c):
+    q, k, v = make_qkv(2, 300, 300, 4, 2, d, dtype)
+    check_backward(q, k, v, random_startend(2, 2, 300, 300, causal, c, device="cuda"), causal)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17),
+                                   (127, 4097), (4097, 127)])
+@pytest.mark.parametrize("causal,c", MODES + [(True, None), (False, None)])
+def test_odd_shapes(sq, sk, causal, c):
+    q, k, v = make_qkv(1, sq, sk, 2, 1, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    mask = None if c is None else random_startend(1, 1, sq, sk, causal, c, device="cuda")
+    check_backward(q, k, v, mask, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,hm", [(8, 2, 1), (8, 2, 2), (8, 2, 8), (6, 1, 6), (4, 4, 4)])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gqa_mask_heads_layouts(dtype, hq, hk, hm, layout):
+    causal, c = random.choice(MODES)
+    q, k, v = make_qkv(2, 513, 700, hq, hk, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], dtype, layout)
+    check_backward(q, k, v, random_startend(2, hm, 513, 700, causal, c, device="cuda"), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", sorted(masks.FAMILIES))
+def test_mask_families(dtype, family):
+    mask, causal = example(family, 1500, batch_size=2, device="cuda")
+    q, k, v = make_qkv(2, 1500, 1500, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], dtype)
+    check_backward(q, k, v, mask, causal)
+
+
+def test_lse_gradient_and_scale():
+    q, k, v = make_qkv(1, 400, 333, 4, 2, HEAD_DIMS[0], DTYPES[0])
+    check_backward(q, k, v, random_startend(1, 1, 400, 333, False, 4, device="cuda"), False, dlse=True, scale=0.2)
+
+
+def test_fully_masked_rows_have_zero_gradients():
+    sq = sk = 700
+    mask = torch.stack([torch.full((1, 1, sk), sq), torch.full((1, 1, sk), 300)], -1).int().cuda()
+    q, k, v = make_qkv(1, sq, sk, 2, 2, HEAD_DIMS[-1], DTYPES[-1])
+    dq, dk, dv = check_backward(q, k, v, mask, False)
+    assert (dq[:, :300] == 0).all()
+
+
+@pytest.mark.parametrize("causal,c", MODES)
+def test_deterministic_is_bitwise_stable(causal, c):
+    q, k, v = make_qkv(2, 1111, 1111, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    mask = random_startend(2, 2, 1111, 1111, causal, c, device="cuda")
+    dout = torch.randn_like(q)
+    runs = [check_backward(q, k, v, mask, causal, deterministic=True, dout=dout) for _ in range(3)]
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = make_qkv(2, 600, 600, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    mask, causal = example("causal_document", 600, batch_size=2, device="cuda")
+
+    def f(a, b, c):
+        return flashmask.flashmask_attention(a, b, c, mask, causal=causal, backend="cuda").float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    loss = compiled(*leaves)
+    loss.backward()
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    loss_e = f(*eager)
+    loss_e.backward()
+    torch.testing.assert_close(loss, loss_e)
+    for a, b in zip(leaves, eager):
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-2, rtol=2e-2)

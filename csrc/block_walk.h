@@ -62,11 +62,28 @@ __device__ __forceinline__ void mask_scores(S& s, Coords const& coords, const Ti
     }
 }
 
-// Forward and dQ: a query tile [r0, r1) walks key blocks downwards.
+// The 8 bounds of one key block, held in registers.
+struct BlockBounds {
+    int v[kNumBounds];
+};
+
+__device__ __forceinline__ BlockBounds load_bounds(const int* row) {  // rows are 32-byte aligned
+    const int4 a = reinterpret_cast<const int4*>(row)[0];
+    const int4 c = reinterpret_cast<const int4*>(row)[1];
+    return {{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w}};
+}
+
+// Forward and dQ: a query tile [r0, r1) walks key blocks downwards. Callers fetch a block's
+// bounds (bounds_of) well before they need them, so that the load hides behind a GEMM.
 template <int kBlockN, bool Is_causal, bool Has_mask>
 struct KeyBlockWalk {
     const int* bounds;  // this (batch, mask head)'s [n_key_blocks, 8], or nullptr
     int r0, r1, sk, causal_offset;
+    int n_floor = 0;  // the walk stops below this block (split-KV: the start of the split)
+
+    __device__ BlockBounds bounds_of(int n) const {
+        return Has_mask && n >= n_floor ? load_bounds(bounds + n * kNumBounds) : BlockBounds{};
+    }
 
     // One past the last key block any row of the tile may see.
     __device__ int end() const {
@@ -77,16 +94,16 @@ struct KeyBlockWalk {
         }
         return n;
     }
-    // The largest visible block <= n, or -1.
-    __device__ int visible_at_or_below(int n) const {
+    // The largest visible block in [n_floor, n], or -1; `b` holds block n's bounds and is left
+    // holding the result's.
+    __device__ int visible_at_or_below(int n, BlockBounds& b) const {
         if (Has_mask) {
-            while (n >= 0 && classify_tile(bounds + n * kNumBounds, r0, r1).fully_masked) --n;
+            while (n >= n_floor && classify_tile(b.v, r0, r1).fully_masked) b = bounds_of(--n);
         }
-        return n;
+        return n >= n_floor ? n : -1;
     }
-    __device__ TileCompare compare(int n) const {
-        return tile_compare(Has_mask ? bounds + n * kNumBounds : nullptr, r0, r1, n * kBlockN, kBlockN, sk,
-                            Is_causal, causal_offset);
+    __device__ TileCompare compare(int n, const BlockBounds& b) const {
+        return tile_compare(Has_mask ? b.v : nullptr, r0, r1, n * kBlockN, kBlockN, sk, Is_causal, causal_offset);
     }
 };
 
@@ -94,7 +111,7 @@ struct KeyBlockWalk {
 // one interval masks for every column of the block.
 template <int kBlockM, int kBlockN, bool Is_causal, bool Has_mask>
 struct QueryBlockWalk {
-    const int* bnd;  // this key block's 8 bounds, or nullptr
+    BlockBounds bnd;  // this key block's bounds (unused without a mask)
     int c0, sq, sk, causal_offset, m_end;
 
     __device__ int begin() const {
@@ -107,10 +124,10 @@ struct QueryBlockWalk {
         if (Has_mask) {
             while (m < m_end) {
                 const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
-                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
-                    m = max(m + 1, bnd[kLteMin] / kBlockM);
-                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
-                    m = max(m + 1, bnd[kUteMin] / kBlockM);
+                if (r0 >= bnd.v[kLtsMax] && r1 <= bnd.v[kLteMin]) {
+                    m = max(m + 1, bnd.v[kLteMin] / kBlockM);
+                } else if (r0 >= bnd.v[kUtsMax] && r1 <= bnd.v[kUteMin]) {
+                    m = max(m + 1, bnd.v[kUteMin] / kBlockM);
                 } else {
                     break;
                 }
@@ -120,7 +137,8 @@ struct QueryBlockWalk {
     }
     __device__ TileCompare compare(int m) const {
         const int r0 = m * kBlockM;
-        return tile_compare(bnd, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal, causal_offset);
+        return tile_compare(Has_mask ? bnd.v : nullptr, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal,
+                            causal_offset);
     }
 };
 

@@ -37,22 +37,35 @@ __global__ void bwd_dsum_kernel(const Element* __restrict__ dout, const Element*
     if (lane == 0) dsum[row] = acc - (dlse != nullptr ? dlse[row] : 0.f);
 }
 
-// P = exp(S * scale - LSE) and dS = P * (dP - D) on the (rows, cols) views of a tile; rows past
-// the end of the queries have LSE = +inf (P = 0).
-template <typename S, typename DP, typename Coords>
-__forceinline__ __device__ void probs_and_dscores(S& s, DP& dp, Coords const& coords, const float* lse,
-                                                  const float* dsum, int r0, int sq, float scale_log2) {
+// The LSE (in log2 units) and D of the rows a thread holds in a score tile; rows past the end of
+// the queries get LSE = +inf (so P = 0). Loaded before the GEMMs that precede their use.
+template <int kRows>
+struct RowStats {
+    float lse_log2[kRows];
+    float dsum[kRows];
+
+    template <typename Coords>
+    __forceinline__ __device__ RowStats(Coords const& coords, const float* lse, const float* d, int r0, int sq) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+            const int row = r0 + get<0>(coords(mi, 0));
+            const bool in = row < sq;
+            lse_log2[mi] = in ? lse[row] * float(M_LOG2E) : INFINITY;
+            dsum[mi] = in ? d[row] : 0.f;
+        }
+    }
+};
+
+// P = exp(S * scale - LSE) and dS = P * (dP - D) on the (rows, cols) views of a tile.
+template <typename S, typename DP, int kRows>
+__forceinline__ __device__ void probs_and_dscores(S& s, DP& dp, RowStats<kRows> const& rows, float scale_log2) {
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(s); ++mi) {
-        const int row = r0 + get<0>(coords(mi, 0));
-        const bool in = row < sq;
-        const float lse_log2 = in ? lse[row] * float(M_LOG2E) : INFINITY;
-        const float d = in ? dsum[row] : 0.f;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(s); ++ni) {
-            const float pr = exp2f(s(mi, ni) * scale_log2 - lse_log2);
+            const float pr = exp2f(s(mi, ni) * scale_log2 - rows.lse_log2[mi]);
             s(mi, ni) = pr;
-            dp(mi, ni) = pr * (dp(mi, ni) - d);
+            dp(mi, ni) = pr * (dp(mi, ni) - rows.dsum[mi]);
         }
     }
 }
@@ -78,11 +91,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     const int m_end = (p.sq + kBlockM - 1) / kBlockM;
     const int causal_offset = p.sk - p.sq;
 
-    const int* bnd = nullptr;
+    BlockBounds bnd{};
     const int* mask_cols = nullptr;
     if (Has_mask) {
         const int64_t mh = int64_t(b) * p.hm + h / p.q_per_mask_head;
-        bnd = p.bounds + (mh * p.n_key_blocks + n_block) * kNumBounds;
+        bnd = load_bounds(p.bounds + (mh * p.n_key_blocks + n_block) * kNumBounds);
         mask_cols = p.mask + mh * p.sk * p.mask_c;
     }
     QueryBlockWalk<kBlockM, kBlockN, Is_causal, Has_mask> walk{bnd, c0, p.sq, p.sk, causal_offset, m_end};
@@ -180,6 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
         Tensor tPsP = thr_c.partition_D(sP);
         Tensor tPsdS = thr_c.partition_D(sdS);
         Tensor cS = rowcol(thr_sdp.partition_C(make_identity_tensor(TileS{})));
+        constexpr int kRows = decltype(size<0>(cS))::value;
         Tensor cdQ = thr_q.partition_C(make_identity_tensor(TileQ{}));
 
         int stage = 0;
@@ -198,6 +212,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
             Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
 
+            const RowStats<kRows> rows(cS, lse, dsum, r0, p.sq);
             Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
             Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
             clear(acc_s);
@@ -210,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             Tensor s_rc = rowcol(acc_s);
             Tensor dp_rc = rowcol(acc_dp);
             if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, causal_offset, smem_mask);
-            probs_and_dscores(s_rc, dp_rc, cS, lse, dsum, r0, p.sq, p.scale_log2);
+            probs_and_dscores(s_rc, dp_rc, rows, p.scale_log2);
             Tensor rP = convert_to<Element>(acc_s);
             Tensor rdS = convert_to<Element>(acc_dp);
             copy(copy_c, thr_c.retile_S(rP), tPsP);
@@ -319,7 +334,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
     const float* lse = p.lse + (int64_t(b) * p.hq + h) * p.sq;
     const float* dsum = p.dsum + (int64_t(b) * p.hq + h) * p.sq;
 
-    int n_block = walk.visible_at_or_below(walk.end() - 1);
+    BlockBounds bnd = walk.bounds_of(walk.end() - 1);
+    int n_block = walk.visible_at_or_below(walk.end() - 1, bnd);
     if (n_block >= 0) {
         typename Traits::GmemTiledCopy gmem_copy;
         auto gmem_thr = gmem_copy.get_thread_slice(tidx);
@@ -358,11 +374,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
         Tensor tQrKt = thr_q.partition_fragment_B(sKt);
         Tensor tPsdS = thr_c.partition_D(sdS);
         Tensor cS = rowcol(thr_sdp.partition_C(make_identity_tensor(TileS{})));
+        const RowStats<decltype(size<0>(cS))::value> rows(cS, lse, dsum, r0, p.sq);
 
         while (n_block >= 0) {
-            const int n_next = walk.visible_at_or_below(n_block - 1);
             const int c0 = n_block * kBlockN;
-            const TileCompare compare = walk.compare(n_block);
+            const TileCompare compare = walk.compare(n_block, bnd);
+            bnd = walk.bounds_of(n_block - 1);  // used after the GEMMs, which hide the load
             copy_zfill(gmem_copy, gmem_thr.partition_S(rows_at(k_ptr, p.k_row_stride, c0, TileKV{})),
                        gmem_thr.partition_D(sK), tKVc, p.sk - c0, p.d);
             copy_zfill(gmem_copy, gmem_thr.partition_S(rows_at(v_ptr, p.v_row_stride, c0, TileKV{})),
@@ -383,13 +400,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
             Tensor s_rc = rowcol(acc_s);
             Tensor dp_rc = rowcol(acc_dp);
             if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, walk.causal_offset, smem_mask);
-            probs_and_dscores(s_rc, dp_rc, cS, lse, dsum, r0, p.sq, p.scale_log2);
+            probs_and_dscores(s_rc, dp_rc, rows, p.scale_log2);
             Tensor rdS = convert_to<Element>(acc_dp);
             copy(copy_c, thr_c.retile_S(rdS), tPsdS);
             __syncthreads();  // dS is in shared memory
             gemm_ss(acc_dq, tQrdS, tQrKt, tQsdS, tQsKt, mma_q, copy_q_a, copy_q_b, thr_q_a, thr_q_b);
             __syncthreads();  // everyone is done with K, V, dS before the next block loads
-            n_block = n_next;
+            n_block = walk.visible_at_or_below(n_block - 1, bnd);
         }
     }
 

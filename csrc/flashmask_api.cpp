@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -187,9 +188,21 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.q_per_mask_head = hq / hm;
 }
 
-// Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}.
+// Split-KV pays off when the (query tile, head, batch) CTAs cannot fill the GPU, typically short
+// queries against long keys: then each tile's key blocks are shared among up to 64 CTAs, keeping
+// at least 4 key blocks per split.
+int choose_num_splits(int ctas, int n_key_blocks) {
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int resident = 2 * sms;  // the forward runs two CTAs per SM
+    if (ctas >= resident || n_key_blocks < 8) return 1;
+    const int want = (resident + ctas - 1) / ctas;
+    return std::max(1, std::min({want, n_key_blocks / 4, 64}));
+}
+
+// Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}. num_splits: 0 chooses, 1 disables split-KV.
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale) {
+                            const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
+                            int64_t num_splits) {
     check_qkv(q, k, v);
     const c10::cuda::CUDAGuard guard(q.device());
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
@@ -204,7 +217,22 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    const FwdTile tile = fwd_tile(head_dim);
+    const int ctas = b * hq * ((sq + tile.block_m - 1) / tile.block_m);
+    TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
+    p.num_splits = num_splits == 0 ? choose_num_splits(ctas, p.n_key_blocks) : int(num_splits);
+    at::Tensor o_partial, lse_partial;
+    if (p.num_splits > 1) {
+        o_partial = at::empty({p.num_splits, b, hq, sq, d}, q.options().dtype(at::kFloat));
+        lse_partial = at::empty({p.num_splits, b, hq, sq}, q.options().dtype(at::kFloat));
+        p.o_partial = o_partial.data_ptr<float>();
+        p.lse_partial = lse_partial.data_ptr<float>();
+    }
     kernels_for(head_dim, q.scalar_type()).fwd(p, stream);
+    if (p.num_splits > 1) {
+        if (q.scalar_type() == at::kHalf) run_fwd_combine_fp16(p, stream);
+        else run_fwd_combine_bf16(p, stream);
+    }
     return {out, lse};
 }
 
@@ -289,7 +317,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flashmask CUDA kernels";
     m.def("fwd", &flashmask::fwd, "FlashMask attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"));
+          py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"), py::arg("num_splits") = 0);
     m.def("bwd", &flashmask::bwd, "FlashMask attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("startend_row_indices"),
           py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"));

@@ -33,7 +33,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     // Heavier tiles (later rows under a causal mask) are scheduled first.
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y;
-    const int b = blockIdx.z;
+    const bool split = p.num_splits > 1;
+    const int b = blockIdx.z / p.num_splits;
+    const int split_idx = blockIdx.z % p.num_splits;
     const int r0 = m_block * kBlockM;
     const int r1 = min(r0 + kBlockM, p.sq);
     const int kv_h = h / p.q_per_kv_head;
@@ -47,14 +49,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     }
 
     Element* o_ptr = reinterpret_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-    float* lse_ptr = p.lse + (int64_t(b) * p.hq + h) * p.sq;
+    const int64_t row_base = (int64_t(split_idx) * p.b * p.hq + int64_t(b) * p.hq + h) * p.sq;
+    float* lse_ptr = (split ? p.lse_partial : p.lse) + row_base;
+    float* o_part = split ? p.o_partial + row_base * p.d : nullptr;
 
-    int n_block = walk.visible_at_or_below(walk.end() - 1);
-    if (n_block < 0) {  // no key is visible to any row of this tile
+    int n_end = walk.end();
+    if (split) {  // this CTA's share of the key blocks
+        const int per_split = (n_end + p.num_splits - 1) / p.num_splits;
+        walk.n_floor = split_idx * per_split;
+        n_end = min(n_end, walk.n_floor + per_split);
+    }
+    BlockBounds bnd = walk.bounds_of(n_end - 1);
+    int n_block = walk.visible_at_or_below(n_end - 1, bnd);
+    if (n_block < 0) {  // no key (of this split) is visible to any row of this tile
         for (int i = tidx; i < (r1 - r0) * p.d; i += Traits::kNThreads) {
-            o_ptr[(r0 + i / p.d) * p.o_row_stride + i % p.d] = Element(0.f);
+            const int row = r0 + i / p.d, col = i % p.d;
+            if (split) o_part[int64_t(row) * p.d + col] = 0.f;
+            else o_ptr[row * p.o_row_stride + col] = Element(0.f);
         }
-        for (int r = r0 + tidx; r < r1; r += Traits::kNThreads) lse_ptr[r] = INFINITY;
+        for (int r = r0 + tidx; r < r1; r += Traits::kNThreads) lse_ptr[r] = split ? -INFINITY : INFINITY;
         return;
     }
 
@@ -126,9 +139,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     constexpr int kRowsPerThread = decltype(size<0>(rowcol_layout(acc_o.layout())))::value;
     OnlineSoftmax<kRowsPerThread> softmax;
 
+    TileCompare compare = walk.compare(n_block, bnd);
     while (n_block >= 0) {
-        const int n_next = walk.visible_at_or_below(n_block - 1);
-        const TileCompare compare = walk.compare(n_block);
         cp_async_wait<0>();
         __syncthreads();  // K[n] landed; every thread is done with V and the staged mask of the last block
         if (Has_mask && compare.intervals) {
@@ -137,10 +149,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
         }
         load_v(n_block);
         cp_async_fence();
+        bnd = walk.bounds_of(n_block - 1);  // used after Q*K^T, which hides the load
 
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
         clear(acc_s);
         gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+        const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
 
         cp_async_wait<0>();
         __syncthreads();  // V[n] and the staged mask landed; every thread is done reading K[n]
@@ -160,12 +174,29 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
         Tensor rP = convert_to<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+        if (n_next >= 0) compare = walk.compare(n_next, bnd);
         n_block = n_next;
     }
 
     float lse[kRowsPerThread];
     Tensor o_rc = rowcol(acc_o);
     softmax.finalize(o_rc, p.softmax_scale, lse);
+    Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(TileQ{})));
+    if (split) {
+        // Partial results stay fp32, written from registers; an empty row contributes nothing.
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(o_rc); ++mi) {
+            const int row = r0 + get<0>(cO_rc(mi, 0));
+            if (row >= r1) continue;
+            CUTE_UNROLL
+            for (int di = 0; di < size<1>(o_rc); ++di) {
+                const int col = get<1>(cO_rc(mi, di));
+                if (col < p.d) o_part[int64_t(row) * p.d + col] = o_rc(mi, di);
+            }
+            if (tidx % 4 == 0) lse_ptr[row] = lse[mi] == INFINITY ? -INFINITY : lse[mi];
+        }
+        return;
+    }
 
     // Epilogue. The output goes through shared memory (Q's buffer: every thread finished its last
     // Q*K^T before the loop's final barrier) so that the global stores are 16-byte and coalesced.
@@ -173,7 +204,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     Tensor gO = make_tensor(make_gmem_ptr(o_ptr + r0 * p.o_row_stride), TileQ{}, make_stride(p.o_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomO, typename Traits::GmemTiledCopyO, Element>(acc_o, tiled_mma, sO, gO,
                                                                                       r1 - r0, p.d, tidx);
-    Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(TileQ{})));
     if (tidx % 4 == 0) {
         CUTE_UNROLL
         for (int mi = 0; mi < kRowsPerThread; ++mi) {

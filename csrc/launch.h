@@ -14,6 +14,10 @@ namespace flashmask {
 FLASHMASK_FOR_ALL(FLASHMASK_DECLARE)
 #undef FLASHMASK_DECLARE
 
+// Split-KV: merges the partial outputs (both dtypes are always built).
+void run_fwd_combine_fp16(const AttnParams&, cudaStream_t);
+void run_fwd_combine_bf16(const AttnParams&, cudaStream_t);
+
 // D = rowsum(dO * O) - dLSE, the backward's preprocessing (both dtypes are always built).
 void run_bwd_dsum_fp16(const BwdParams&, const float* dlse, cudaStream_t);
 void run_bwd_dsum_bf16(const BwdParams&, const float* dlse, cudaStream_t);

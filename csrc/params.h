@@ -26,6 +26,13 @@ struct AttnParams {
     int mask_c, hm, q_per_mask_head;  // q_per_mask_head = Hq / Hm
     int n_key_blocks;
     bool causal;
+
+    // Split-KV (Flash-Decoding): with num_splits > 1 the key blocks of a query tile are shared out
+    // among num_splits CTAs, each writing a normalised partial output and its LSE (-inf where
+    // it saw nothing); a combine kernel merges them. [num_splits, B, Hq, Sq, D] and [num_splits, B, Hq, Sq].
+    int num_splits;
+    float* o_partial;
+    float* lse_partial;
 };
 
 // The backward adds dO, the row sums D = rowsum(dO * O) - dLSE, and the gradients.

@@ -44,14 +44,15 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
 
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
-        causal: bool, softmax_scale: float, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only matters to the backward; it is an argument so that autograd saves it.
-    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale)
+    # num_splits: split-KV CTAs per query tile (0: chosen from the shapes, 1: off).
+    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits)
     return out, lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic):
+def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits=0):
     b, sq, hq, _ = q.shape
     return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
 
@@ -88,7 +89,7 @@ def _reference_bwd(dout, q, k, v, dlse, startend_row_indices, causal, softmax_sc
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, startend_row_indices, causal, softmax_scale, deterministic = inputs
+    q, k, v, startend_row_indices, causal, softmax_scale, deterministic, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
@@ -98,7 +99,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
     dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dlse, startend_row_indices, ctx.causal,
                      ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -9,7 +9,7 @@ import masks
 from masks.examples import example
 from flashmask import _cuda
 from attn_helpers import assert_close_to_reference, random_startend
-from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, run_kernel
+from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
 
 pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
 
@@ -99,3 +99,16 @@ def test_softmax_scale_and_determinism():
     out2, lse2 = run_kernel(q, k, v, mask, True, softmax_scale=0.3)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     assert_close_to_reference(out1, lse1, q, k, v, mask, True, scale=0.3)
+
+
+@pytest.mark.parametrize("causal,c", MODES + [(True, None), (False, None)])
+@pytest.mark.parametrize("sq,sk", [(1, 4097), (17, 3000), (300, 4097), (129, 640)])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
+def test_split_kv(causal, c, sq, sk, num_splits):
+    # Flash-Decoding: each query tile's key blocks shared among num_splits CTAs, merged by LSE.
+    q, k, v = make_qkv(2, sq, sk, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    mask = None if c is None else random_startend(2, 2, sq, sk, causal, c, device="cuda")
+    poison_allocator(q.numel() * 64)
+    out, lse = _cuda.fwd(q, k, v, mask, causal, q.shape[-1] ** -0.5, False, num_splits)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)

@@ -1,0 +1,461 @@
+"""Hugging Face ``transformers`` attention backend for flashmask.
+
+Importing this module registers the backend under the name :data:`ATTN_IMPLEMENTATION`
+(``"fm_colmask"``) with ``transformers``' ``AttentionInterface`` and ``AttentionMaskInterface``
+(transformers >= 4.53, 4.x and 5.x). The name avoids "flash", "sdpa" and "flex_attention", which
+transformers 5.x reserves for its own implementations.
+
+Select it when building a model::
+
+    >>> import flashmask.integrations.transformers as fm_hf
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION)
+    >>> model.config._attn_implementation
+    'fm_colmask'
+
+    or ``AutoModelForCausalLM.from_pretrained(path, attn_implementation="fm_colmask")``, or switch a
+    model that already exists with :func:`use_flashmask`.
+
+Where the mask comes from, in order of precedence (per call of the attention function):
+
+1. ``attn_mask_startend_row_indices``: a model keyword argument (the name PaddleNLP uses), an
+   int32 ``[B, Hm, S, C]`` FlashMask tensor (see :mod:`masks.format`), e.g. from
+   :class:`flashmask.data.PackedSFTCollator` or :class:`flashmask.data.ShareQuestionCollator`::
+
+       model(input_ids=ids, position_ids=pos, attn_mask_startend_row_indices=startend)
+
+2. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what ``DataCollatorWithFlattening`` and TRL's
+   padding-free collators emit with ``return_flash_attn_kwargs=True``): cumulative document
+   lengths over the flattened ``B * S`` tokens; each document attends (causally) to itself only.
+   A document never crosses a row boundary: every row starts a new one.
+3. restarting ``position_ids`` ``[B, S]`` (TRL packing / padding-free): a new document starts
+   wherever ``position_ids[t] != position_ids[t - 1] + 1``, the rule transformers itself uses.
+   Only used when query and key lengths are equal (no KV cache in use).
+4. otherwise plain causal (or full, for a non-causal module) attention.
+
+A 2-D padding ``attention_mask`` ``[B, S]`` (0 = padding) is honoured on top of any of these:
+padded keys are hidden from every query. No ``S x S`` mask is ever built: the mask function we
+register with ``AttentionMaskInterface`` only forwards the 2-D padding mask (or ``None``).
+
+A ``sliding_window`` argument (Mistral, Qwen2, ...) is honoured with transformers' own
+semantics: query ``i`` sees key ``j`` iff ``i - sliding_window < j <= i``.
+
+What is not supported raises ``NotImplementedError`` instead of computing something else:
+attention logit soft-capping (``softcap``, Gemma 2), attention dropout > 0 in training, attention
+sinks (``s_aux``), head masks, relative position biases, paged caches, chunked attention
+(Llama 4), extra mask functions composed by the model (e.g. Gemma 3 image tokens on
+transformers 5.x), non-causal sliding windows and static KV caches. ``output_attentions`` gives
+``None`` weights (as with ``sdpa``).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    import transformers
+    from packaging import version as _version
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("flashmask.integrations.transformers needs `transformers>=4.53` "
+                      "(pip install 'transformers>=4.53')") from e
+
+if _version.parse(transformers.__version__).release < (4, 53):
+    raise ImportError(f"flashmask.integrations.transformers needs transformers>=4.53 (it relies on "
+                      f"transformers.masking_utils.AttentionMaskInterface); found {transformers.__version__}")
+
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface, PreTrainedModel
+
+from flashmask.attention import flashmask_attention
+
+#: The ``attn_implementation`` name the backend is registered under.
+ATTN_IMPLEMENTATION = "fm_colmask"
+#: The model keyword argument that carries a FlashMask ``startend_row_indices`` tensor.
+MASK_KWARG = "attn_mask_startend_row_indices"
+
+# transformers 5.x routes any name containing these to its own code paths.
+_RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex_attention")
+
+__all__ = ["ATTN_IMPLEMENTATION", "MASK_KWARG", "register", "use_flashmask", "flashmask_attention_forward",
+           "padding_mask_function"]
+
+
+# --------------------------------------------------------------------------------------------------
+# registration
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"the backend name must be a non-empty string, got {name!r}")
+    low = name.lower()
+    bad = [s for s in _RESERVED_SUBSTRINGS if s in low]
+    if bad:
+        raise ValueError(f"attn_implementation name {name!r} contains {bad[0]!r}: transformers 5.x treats names "
+                         f"containing any of {_RESERVED_SUBSTRINGS} as its own implementations")
+    if low in ("eager",) or low.startswith("paged") or "|" in name or "/" in name or ":" in name:
+        raise ValueError(f"attn_implementation name {name!r} is reserved by transformers (eager, paged*, or a "
+                         f"hub-kernel pattern with '|', '/' or ':')")
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register the backend with transformers under ``name``; idempotent. Returns ``name``.
+
+    Called on import with the default name. Registers :func:`flashmask_attention_forward` with
+    ``AttentionInterface`` and :func:`padding_mask_function` with ``AttentionMaskInterface`` (so
+    the model's mask-creation step forwards the 2-D padding mask and never builds a dense one).
+    """
+    _check_name(name)
+    AttentionInterface.register(name, flashmask_attention_forward)
+    AttentionMaskInterface.register(name, padding_mask_function)
+    return name
+
+
+def use_flashmask(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION) -> torch.nn.Module:
+    """Switch an already-built transformers model (and its sub-models) to the flashmask backend.
+
+    Uses ``model.set_attn_implementation`` where transformers has it (4.57, 5.x) and sets
+    ``config._attn_implementation`` on every sub-model's config otherwise (4.53). Raises
+    ``ValueError`` if the model does not dispatch its attention through ``AttentionInterface``
+    (the switch would silently do nothing). Returns ``model``.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(path)   # sdpa
+        use_flashmask(model)                                 # now "fm_colmask"
+        model.set_attn_implementation("sdpa")                # and back
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"use_flashmask expects a transformers PreTrainedModel, got {type(model).__name__}")
+    register(name)
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise ValueError(f"{type(model).__name__} does not dispatch its attention through transformers' "
+                         "AttentionInterface, so its attention implementation cannot be switched")
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # transformers 4.53: the modules read config._attn_implementation at every forward
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if isinstance(cfg, transformers.PretrainedConfig):
+                cfg._attn_implementation = name
+    if model.config._attn_implementation != name:
+        raise ValueError(f"could not switch {type(model).__name__} to attn_implementation={name!r} "
+                         f"(it is {model.config._attn_implementation!r})")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# mask function (AttentionMaskInterface)
+
+
+def padding_mask_function(*args, attention_mask: Optional[torch.Tensor] = None, kv_length: Optional[int] = None,
+                          kv_offset: int = 0, q_length: Optional[int] = None, q_offset=0,
+                          cache_position: Optional[torch.Tensor] = None, config=None, **kwargs):
+    """The mask "creation" transformers runs for our backend: no dense mask, ever.
+
+    Returns the 2-D padding mask aligned with the keys, bool ``[B, kv_length]`` (True = real token),
+    or ``None`` when the model got no ``attention_mask``. Raises ``NotImplementedError`` for what the
+    backend cannot express: mask functions the model composes on top of the causal one (seen as
+    ``use_vmap=True`` on transformers 5.x), chunked attention, and KV caches whose keys do not end
+    at the current query (static caches).
+    """
+    if kwargs.get("use_vmap", False):
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}: this model composes extra mask functions on top of the "
+            "causal mask (e.g. bidirectional image tokens); they have no column-interval form here. Pass "
+            f"`{MASK_KWARG}` explicitly or use another attention implementation")
+    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
+        raise NotImplementedError(f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support chunked attention "
+                                  "(config.attention_chunk_size)")
+    _check_cache_alignment(q_length, q_offset, kv_length, kv_offset, cache_position)
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        return attention_mask  # an already-prepared mask; the attention function decides
+    keep = attention_mask.to(torch.bool)
+    if kv_length is None:
+        return keep
+    need = kv_offset + kv_length
+    if keep.shape[-1] < need:  # cache slots beyond the given mask are empty
+        keep = torch.nn.functional.pad(keep, (0, need - keep.shape[-1]), value=False)
+    return keep[:, kv_offset:need]
+
+
+def _check_cache_alignment(q_length, q_offset, kv_length, kv_offset, cache_position) -> None:
+    # The kernels align causal attention bottom-right (query i of Sq sees keys <= i + Sk - Sq), which
+    # is right whenever the keys end at the last query: no cache, or a dynamic (sliding) cache.
+    if kv_length is None:
+        return
+    if q_length is None:
+        if cache_position is None:
+            return
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+        if kv_offset == 0 and kv_length == q_length:
+            return  # no cache, or the prefill of a dynamic cache
+    if isinstance(q_offset, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return
+        q_offset = int(q_offset)
+    if q_offset + q_length != kv_offset + kv_length:
+        raise NotImplementedError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the keys to end at the last query (no cache or a "
+            f"dynamic cache); got queries [{q_offset}, {q_offset + q_length}) and keys "
+            f"[{kv_offset}, {kv_offset + kv_length}) (a static cache?)")
+
+
+# --------------------------------------------------------------------------------------------------
+# attention function (AttentionInterface)
+
+_warned = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support {what}; use another "
+                               "attention implementation for this model")
+
+
+def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                                scaling: Optional[float] = None, dropout: float = 0.0,
+                                **kwargs) -> Tuple[torch.Tensor, None]:
+    """transformers attention function: ``(module, query, key, value, attention_mask, ...)``.
+
+    Args:
+        module: the calling attention module (``is_causal`` is read from it unless ``is_causal`` is
+            passed).
+        query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hk, Sk, D]`` (GQA handled by the kernels, no
+            repeat).
+        attention_mask: ``None``, a 2-D padding mask ``[B, Sk]`` (True/1 = real token), or a 4-D
+            dense mask supplied by the user (converted exactly when it has a column-interval form,
+            else ``ValueError``).
+        scaling: softmax scale (default ``D ** -0.5``).
+        dropout: must be 0.
+        **kwargs: ``attn_mask_startend_row_indices``, ``cu_seq_lens_q``/``cu_seq_lens_k``,
+            ``position_ids``, ``sliding_window``, ``is_causal``; see the module docstring.
+
+    Returns:
+        ``(attn_output [B, Sq, Hq, D], None)``.
+    """
+    _reject_unsupported(kwargs, dropout)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if query.dim() != 4 or key.dim() != 4:
+        raise ValueError(f"expected query/key/value [B, H, S, D], got {tuple(query.shape)} and {tuple(key.shape)}")
+    bsz, _, sq, _ = query.shape
+    sk = key.shape[2]
+
+    # A 4-D mask is the whole truth (as in transformers): position_ids then only drive RoPE.
+    dense_4d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+    startend = _resolve_mask(kwargs, causal, bsz, sq, sk, query.device, use_position_ids=not dense_4d)
+    if attention_mask is not None:
+        startend = _apply_attention_mask(startend, attention_mask, causal, bsz, sq, sk, query.device)
+
+    window = None
+    sliding_window = kwargs.get("sliding_window")
+    if sliding_window is not None:
+        if not causal:
+            raise _unsupported("a sliding window on a non-causal (bidirectional) attention")
+        sliding_window = int(sliding_window)
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if sliding_window < sk:  # transformers: key j visible from query i iff i - sliding_window < j <= i
+            window = (sliding_window - 1, 0)
+            explicit = kwargs.get(MASK_KWARG)
+            if explicit is not None and kwargs.get("position_ids") is not None and sq == sk:
+                _check_window_positions(startend, kwargs["position_ids"], sliding_window, explicit)
+
+    out = flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), startend,
+                              causal=causal, softmax_scale=scaling, window_size=window)
+    return out, None
+
+
+_window_check_cache: list = []
+
+
+def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, window: int,
+                            key_tensor: torch.Tensor) -> None:
+    """Raise if a sliding window would differ in index space and in position space.
+
+    The kernels apply the window to token indices; transformers means it in positions. The two
+    agree inside any span of visible rows where ``index - position`` is constant (packed documents),
+    and wherever the visible span is shorter than the window (``index - position`` must then never
+    decrease, so that positions are never further apart than indices). A share-question layout
+    (rejected positions continue from the prompt, past the chosen span) longer than the window
+    fails this: its exact mask has no column-interval form. One host sync, cached per mask.
+    """
+    if torch.compiler.is_compiling():
+        return
+    for ref, pos_ref, w, ok in _window_check_cache:
+        if ref is key_tensor and pos_ref is position_ids and w == window:
+            if not ok:
+                break
+            return
+    bsz, _, s, c = startend.shape
+    pos = position_ids.to(startend.device).reshape(-1, s).expand(bsz, s)
+    idx = torch.arange(s, device=startend.device)
+    gap = idx - pos  # [B, S]
+    change = torch.zeros_like(gap, dtype=torch.bool)
+    change[:, 1:] = gap[:, 1:] != gap[:, :-1]
+    # first change point after each column (S if none)
+    nxt = torch.cat([torch.where(change, idx, s)[:, 1:], torch.full_like(gap[:, :1], s)], 1)
+    next_change = nxt.flip(-1).cummin(-1).values.flip(-1)  # [B, S]
+    lts = startend[..., 0].long()  # [B, Hm, S]
+    if c == 2:  # causal (LTS, LTE): rows from LTE on see the column again
+        end = torch.where(startend[..., 1].long() < s, s, lts)
+    else:
+        end = lts
+    nondecreasing = (gap[:, 1:] >= gap[:, :-1]).all(-1)  # [B]
+    constant = next_change[:, None, :] >= end
+    short = (end - idx) <= window
+    ok_cols = constant | (short & nondecreasing[:, None, None])
+    ok = bool(ok_cols.all())
+    _window_check_cache[:] = [(key_tensor, position_ids, window, ok)]
+    if not ok:
+        raise _unsupported(
+            f"this {MASK_KWARG} mask with sliding_window={window}: its position_ids jump inside spans of tokens "
+            "that see each other (e.g. a share-question DPO layout) and the window would then hide different tokens "
+            "than in separate sequences. Use sequences shorter than the window, or a model without sliding windows")
+
+
+def _reject_unsupported(kwargs: dict, dropout: float) -> None:
+    if kwargs.get("softcap") is not None:
+        raise _unsupported("attention logit soft-capping (softcap)")
+    if dropout:
+        raise _unsupported(f"attention dropout (got dropout={dropout}; set config.attention_dropout=0.0)")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise _unsupported("attention sinks (s_aux)")
+    if kwargs.get("head_mask") is not None:
+        raise _unsupported("head_mask")
+    if kwargs.get("position_bias") is not None:
+        raise _unsupported("an additive position bias")
+    if kwargs.get("cache") is not None:
+        raise _unsupported("paged KV caches")
+    if kwargs.get("output_attentions", False):
+        _warn_once(f"attn_implementation={ATTN_IMPLEMENTATION!r} does not return attention weights "
+                   "(output_attentions gives None)")
+
+
+def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device,
+                  use_position_ids: bool = True) -> Optional[torch.Tensor]:
+    """The FlashMask tensor for this call (before padding), or None for plain causal/full."""
+    startend = kwargs.get(MASK_KWARG)
+    if startend is not None:
+        if not isinstance(startend, torch.Tensor):
+            raise TypeError(f"{MASK_KWARG} must be a torch.Tensor [B, Hm, S, C], got {type(startend).__name__}")
+        if startend.dim() != 4:
+            raise ValueError(f"{MASK_KWARG} must have shape [B, Hm, S, C], got {tuple(startend.shape)}")
+        if startend.dtype != torch.int32:
+            if startend.dtype.is_floating_point or startend.dtype == torch.bool:
+                raise ValueError(f"{MASK_KWARG} must be an integer tensor (int32), got {startend.dtype}")
+            startend = startend.to(torch.int32)
+        if startend.device != device:
+            startend = startend.to(device)
+        if startend.shape[0] == 1 and bsz > 1:
+            startend = startend.expand(bsz, -1, -1, -1)
+        return startend.contiguous()
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be given together")
+        if cu_k is not cu_q and (cu_k.shape != cu_q.shape or not torch.equal(cu_k.to(cu_q.device), cu_q)):
+            raise _unsupported("different query and key documents (cu_seq_lens_q != cu_seq_lens_k)")
+        if sq != sk:
+            raise _unsupported("cu_seq_lens_q/k together with a KV cache")
+        return _startend_from_starts(_starts_from_cu_seqlens(cu_q, bsz, sq, device), causal)
+
+    position_ids = kwargs.get("position_ids")
+    if use_position_ids and position_ids is not None and sq == sk and sq > 1 and position_ids.dim() in (1, 2) \
+            and position_ids.shape[-1] == sq:
+        pos = position_ids.to(device).reshape(-1, sq)
+        if pos.shape[0] != bsz:
+            pos = pos.expand(bsz, -1)
+        starts = torch.ones_like(pos, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        return _startend_from_starts(starts, causal)
+    return None
+
+
+def _starts_from_cu_seqlens(cu: torch.Tensor, bsz: int, seqlen: int, device) -> torch.Tensor:
+    """bool ``[B, S]``: True where a document starts (cu_seqlens index the flattened B*S tokens)."""
+    total = bsz * seqlen
+    cu = cu.to(device=device, dtype=torch.long).reshape(-1)
+    flat = torch.zeros(total + 1, dtype=torch.bool, device=device)
+    flat[cu.clamp(0, total)] = True  # documents may end before the last token: the rest is one more
+    starts = flat[:total].view(bsz, seqlen).clone()
+    starts[:, 0] = True  # every row starts a document
+    return starts
+
+
+def _startend_from_starts(starts: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Document mask from per-token "document starts here" flags ``[B, S]`` -> int32 ``[B, 1, S, C]``.
+
+    Causal: LTS = end of the token's document. Non-causal: (LTS, UTE) = (document end, start).
+    """
+    bsz, s = starts.shape
+    idx = torch.arange(s, device=starts.device).expand(bsz, s)
+    big = torch.full((bsz, 1), s, dtype=idx.dtype, device=starts.device)
+    nxt = torch.cat([torch.where(starts, idx, s)[:, 1:], big], dim=1)  # start of a doc after t, else S
+    end = nxt.flip(-1).cummin(-1).values.flip(-1)
+    cols = [end]
+    if not causal:
+        cols.append(torch.where(starts, idx, 0).cummax(-1).values)
+    return torch.stack(cols, dim=-1).to(torch.int32).unsqueeze(1)
+
+
+def _apply_attention_mask(startend: Optional[torch.Tensor], attention_mask: torch.Tensor, causal: bool,
+                          bsz: int, sq: int, sk: int, device) -> Optional[torch.Tensor]:
+    if not isinstance(attention_mask, torch.Tensor):
+        raise _unsupported(f"an attention_mask of type {type(attention_mask).__name__} (e.g. a flex BlockMask)")
+    if attention_mask.dim() == 4:
+        if startend is not None:
+            raise ValueError(f"got both a 4-D attention_mask and a flashmask mask ({MASK_KWARG} or cu_seq_lens); "
+                             "pass only one")
+        return _from_dense_4d(attention_mask, causal, bsz, sq, sk)
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D [B, Sk] (padding) or 4-D, got {tuple(attention_mask.shape)}")
+    if attention_mask.shape[-1] != sk or attention_mask.shape[0] not in (1, bsz):
+        raise ValueError(f"2-D attention_mask has shape {tuple(attention_mask.shape)}, expected [{bsz}, {sk}]")
+    pad = ~attention_mask.to(device=device, dtype=torch.bool).expand(bsz, sk)  # True on padded keys
+    if startend is None:
+        lts = torch.where(pad, 0, sq).to(torch.int32)
+        cols = [lts] if causal else [lts, torch.zeros_like(lts)]
+        return torch.stack(cols, -1).unsqueeze(1)
+    # Hide padded key columns from every row; leave every other column exactly as it was.
+    pad = pad[:, None, :]  # broadcast over mask heads
+    out = startend.clone()
+    out[..., 0] = torch.where(pad, 0, out[..., 0])
+    if out.shape[-1] == 4 or (causal and out.shape[-1] == 2):  # an LTE column: extend it to Sq
+        out[..., 1] = torch.where(pad, sq, out[..., 1])
+    return out
+
+
+def _from_dense_4d(mask: torch.Tensor, causal: bool, bsz: int, sq: int, sk: int) -> torch.Tensor:
+    try:
+        from masks import from_dense
+    except ImportError as e:  # pragma: no cover
+        raise _unsupported(f"4-D dense attention masks (pass {MASK_KWARG} instead)") from e
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask == 0
+        if (~allowed & (mask > torch.finfo(mask.dtype).min / 2)).any():
+            raise _unsupported("4-D float attention masks with values other than 0 and -inf (an additive bias)")
+    if allowed.shape[-2:] != (sq, sk):
+        raise ValueError(f"4-D attention_mask has shape {tuple(mask.shape)}, expected [B, 1, {sq}, {sk}]")
+    if allowed.shape[1] != 1:
+        raise _unsupported("4-D attention masks that differ per head")
+    return from_dense(allowed.expand(bsz, 1, sq, sk), causal=causal)
+
+
+register()

@@ -95,12 +95,26 @@ struct KeyBlockWalk {
         return n;
     }
     // The largest visible block in [n_floor, n], or -1; `b` holds block n's bounds and is left
-    // holding the result's.
+    // holding the result's. Must be called by whole warps (uniform control flow).
     __device__ int visible_at_or_below(int n, BlockBounds& b) const {
-        if (Has_mask) {
-            while (n >= n_floor && classify_tile(b.v, r0, r1).fully_masked) b = bounds_of(--n);
+        if (n < n_floor) return -1;
+        if (!Has_mask || !classify_tile(b.v, r0, r1).fully_masked) return n;
+        // Below a masked block there are often long masked runs (other documents, keys left of a
+        // window): each lane classifies one of the next 32 blocks, so a run costs one dependent
+        // load per 32 blocks instead of one per block.
+        const int lane = threadIdx.x % 32;
+        for (int top = n - 1; top >= n_floor; top -= 32) {
+            const int cand = top - lane;
+            const bool visible = cand >= n_floor &&
+                                 !classify_tile(load_bounds(bounds + cand * kNumBounds).v, r0, r1).fully_masked;
+            const unsigned ballot = __ballot_sync(0xffffffffu, visible);
+            if (ballot != 0u) {
+                n = top - (__ffs(ballot) - 1);
+                b = bounds_of(n);
+                return n;
+            }
         }
-        return n >= n_floor ? n : -1;
+        return -1;
     }
     __device__ TileCompare compare(int n, const BlockBounds& b) const {
         return tile_compare(Has_mask ? b.v : nullptr, r0, r1, n * kBlockN, kBlockN, sk, Is_causal, causal_offset);

@@ -8,25 +8,16 @@ namespace flashmask {
 
 struct TileCompare {
     bool intervals;  // the column intervals cut the tile partly: test them per element
-    bool any;        // some element needs a test (intervals, causal diagonal or end of keys)
+    bool edges;      // the causal diagonal or the end of the keys crosses the tile
+    bool any;        // some element needs a test
 };
-
-// Element test of a tile whose compare flags are known; `vals` are the column's raw C values.
-template <bool Is_causal, int kMaskC>
-__device__ __forceinline__ bool element_masked(const TileCompare& t, int row, int col, int sk, int causal_offset,
-                                               const int (&vals)[kMaskC > 0 ? kMaskC : 1]) {
-    bool masked = col >= sk;
-    if (Is_causal) masked |= col > row + causal_offset;
-    if constexpr (kMaskC > 0) masked |= t.intervals && row_masked<Is_causal, kMaskC>(vals, row);
-    return masked;
-}
 
 __device__ __forceinline__ TileCompare tile_compare(const int* bnd, int r0, int r1, int c0, int block_n, int sk,
                                                     bool causal, int causal_offset) {
-    TileCompare t{false, c0 + block_n > sk};  // keys past the end
-    if (causal) t.any |= c0 + block_n - 1 > r0 + causal_offset;  // crosses the diagonal
+    TileCompare t{false, c0 + block_n > sk, false};  // keys past the end
+    if (causal) t.edges |= c0 + block_n - 1 > r0 + causal_offset;  // crosses the diagonal
     if (bnd != nullptr) t.intervals = classify_tile(bnd, r0, r1).partial;
-    t.any |= t.intervals;
+    t.any = t.intervals || t.edges;
     return t;
 }
 
@@ -41,25 +32,43 @@ __device__ __forceinline__ void stage_mask_columns(int* smem_mask, const int* ma
     }
 }
 
-// Sets the masked scores of a tile to -inf. s and coords are (rows, cols) views of the score
-// accumulator and of its identity partition; smem_mask holds the tile's key block as staged above.
-template <bool Is_causal, int kMaskC, typename S, typename Coords>
-__device__ __forceinline__ void mask_scores(S& s, Coords const& coords, const TileCompare& t, int r0, int c0, int sk,
-                                            int causal_offset, const int* smem_mask) {
+// Sets the masked scores of a tile to -inf, testing only what the tile needs: kIntervals (the
+// column intervals, from the raw values staged in smem_mask) and kEdges (causal diagonal, key end).
+// s and coords are (rows, cols) views of the score accumulator and of its identity partition.
+template <bool Is_causal, int kMaskC, bool kIntervals, bool kEdges, typename S, typename Coords>
+__device__ __forceinline__ void mask_scores_with(S& s, Coords const& coords, int r0, int c0, int sk,
+                                                 int causal_offset, const int* smem_mask) {
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(s); ++ni) {
         const int c = get<1>(coords(0, ni));
+        const int col = c0 + c;
         int vals[kMaskC > 0 ? kMaskC : 1] = {};
-        if (kMaskC > 0 && t.intervals) {
+        if constexpr (kIntervals) {
             CUTE_UNROLL
             for (int v = 0; v < kMaskC; ++v) vals[v] = smem_mask[c * kMaskC + v];
         }
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(s); ++mi) {
             const int row = r0 + get<0>(coords(mi, 0));
-            if (element_masked<Is_causal, kMaskC>(t, row, c0 + c, sk, causal_offset, vals)) s(mi, ni) = -INFINITY;
+            bool masked = false;
+            if constexpr (kEdges) masked = col >= sk || (Is_causal && col > row + causal_offset);
+            if constexpr (kIntervals) masked |= row_masked<Is_causal, kMaskC>(vals, row);
+            if (masked) s(mi, ni) = -INFINITY;
         }
     }
+}
+
+template <bool Is_causal, int kMaskC, typename S, typename Coords>
+__device__ __forceinline__ void mask_scores(S& s, Coords const& coords, const TileCompare& t, int r0, int c0, int sk,
+                                            int causal_offset, const int* smem_mask) {
+    if constexpr (kMaskC > 0) {
+        if (t.intervals) {
+            if (t.edges) mask_scores_with<Is_causal, kMaskC, true, true>(s, coords, r0, c0, sk, causal_offset, smem_mask);
+            else mask_scores_with<Is_causal, kMaskC, true, false>(s, coords, r0, c0, sk, causal_offset, smem_mask);
+            return;
+        }
+    }
+    mask_scores_with<Is_causal, kMaskC, false, true>(s, coords, r0, c0, sk, causal_offset, smem_mask);
 }
 
 // The 8 bounds of one key block, held in registers.

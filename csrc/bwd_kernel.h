@@ -70,7 +70,9 @@ __forceinline__ __device__ void probs_and_dscores(S& s, DP& dp, RowStats<kRows> 
     }
 }
 
-template <typename Traits, bool Is_causal, int kMaskC, bool Atomic_dq>
+// dQ is accumulated with atomics when p.dq_accum is set (a uniform branch: one instantiation serves
+// both modes).
+template <typename Traits, bool Is_causal, int kMaskC>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdParams p) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -239,7 +241,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
             gemm_ss(acc_dk, tKVrA, tKVrQt, tKVsdSt, tKVsQt, mma_kv, copy_kv_a, copy_kv_b, thr_kv_a, thr_kv_b);
 
-            if constexpr (Atomic_dq) {
+            if (p.dq_accum != nullptr) {
                 Tensor acc_dq = partition_fragment_C(mma_q, TileQ{});
                 clear(acc_dq);
                 gemm_ss(acc_dq, tQrdS, tQrKt, tQsdS, tQsKt, mma_q, copy_q_a, copy_q_b, thr_q_a, thr_q_b);

@@ -8,22 +8,25 @@
 
 namespace flashmask {
 
-// dK, dV and (atomically, unless deterministic) dQ; deterministic runs the dQ kernel after.
+// dK, dV, and dQ by atomics when p.dq_accum is set.
 template <int kHeadDim, typename Element>
-void run_bwd(const BwdParams& p, bool deterministic, cudaStream_t stream) {
+void run_bwd_kv(const BwdParams& p, cudaStream_t stream) {
     using Traits = BwdTraits<kHeadDim, Element>;
-    const int c = p.mask != nullptr ? p.mask_c : 0;
-    dispatch_mask_mode(p.causal, c, [&](auto is_causal, auto mask_c) {
-        constexpr bool kCausal = decltype(is_causal)::value;
-        constexpr int kC = decltype(mask_c)::value;
-        const dim3 grid_kv((p.sk + Traits::kBlockN - 1) / Traits::kBlockN, p.hq, p.b);
-        if (deterministic) {
-            launch_with_smem(&bwd_kv_kernel<Traits, kCausal, kC, false>, grid_kv, Traits::kNThreads, Traits::kSmemBytes, p, stream);
-            const dim3 grid_q((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
-            launch_with_smem(&bwd_dq_kernel<Traits, kCausal, kC>, grid_q, Traits::kNThreads, Traits::kSmemDqBytes, p, stream);
-        } else {
-            launch_with_smem(&bwd_kv_kernel<Traits, kCausal, kC, true>, grid_kv, Traits::kNThreads, Traits::kSmemBytes, p, stream);
-        }
+    const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN, p.hq, p.b);
+    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
+        launch_with_smem(&bwd_kv_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,
+                         Traits::kNThreads, Traits::kSmemBytes, p, stream);
+    });
+}
+
+// Deterministic dQ (written to p.dq), after run_bwd_kv without atomics.
+template <int kHeadDim, typename Element>
+void run_bwd_dq(const BwdParams& p, cudaStream_t stream) {
+    using Traits = BwdTraits<kHeadDim, Element>;
+    const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
+    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
+        launch_with_smem(&bwd_dq_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,
+                         Traits::kNThreads, Traits::kSmemDqBytes, p, stream);
     });
 }
 

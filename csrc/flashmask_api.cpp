@@ -74,14 +74,15 @@ int kernel_head_dim(int d) {
 // this build lacks.
 struct Kernels {
     void (*fwd)(const AttnParams&, cudaStream_t);
-    void (*bwd)(const BwdParams&, bool, cudaStream_t);
+    void (*bwd_kv)(const BwdParams&, cudaStream_t);
+    void (*bwd_dq)(const BwdParams&, cudaStream_t);
 };
 
 Kernels kernels_for(int head_dim, at::ScalarType dtype) {
     const bool half = dtype == at::kHalf;
 #define FLASHMASK_CASE(HDIM, DTYPE)                                                              \
     if (head_dim == HDIM && half == (std::string(#DTYPE) == "fp16"))                              \
-        return {&run_fwd_hdim##HDIM##_##DTYPE, &run_bwd_hdim##HDIM##_##DTYPE};
+        return {&run_fwd_hdim##HDIM##_##DTYPE, &run_bwd_kv_hdim##HDIM##_##DTYPE, &run_bwd_dq_hdim##HDIM##_##DTYPE};
 #if defined(FLASHMASK_HDIM32) && defined(FLASHMASK_FP16)
     FLASHMASK_CASE(32, fp16)
 #endif
@@ -228,6 +229,17 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
         p.o_partial = o_partial.data_ptr<float>();
         p.lse_partial = lse_partial.data_ptr<float>();
     }
+    at::Tensor order;
+    if (p.mask != nullptr) {
+        // Longest tiles first: a few tiles may see far more keys than the rest (global tokens,
+        // a prefix), and started last they would finish alone.
+        const int m_tiles = (sq + tile.block_m - 1) / tile.block_m;
+        at::Tensor work = at::empty({b * p.hm, m_tiles}, bounds.options());
+        launch_tile_work(p.bounds, work.data_ptr<int>(), b * p.hm, p.n_key_blocks, m_tiles, tile.block_m, tile.block_n,
+                         sq, p.sk, causal, stream);
+        order = work.argsort(/*stable=*/true, /*dim=*/1, /*descending=*/true).to(at::kInt);
+        p.tile_order = order.data_ptr<int>();
+    }
     kernels_for(head_dim, q.scalar_type()).fwd(p, stream);
     if (p.num_splits > 1) {
         if (q.scalar_type() == at::kHalf) run_fwd_combine_fp16(p, stream);
@@ -303,7 +315,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         dq_accum = at::zeros({b, sq, hq, d}, q.options().dtype(at::kFloat));
         p.dq_accum = dq_accum.data_ptr<float>();
     }
-    kernels_for(head_dim, q.scalar_type()).bwd(p, deterministic, stream);
+    const Kernels kernels = kernels_for(head_dim, q.scalar_type());
+    kernels.bwd_kv(p, stream);
+    if (deterministic) kernels.bwd_dq(p, stream);
     if (!deterministic) dq.copy_(dq_accum.mul_(softmax_scale));
     if (expand) {
         dk.copy_(dk_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));

@@ -30,12 +30,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     extern __shared__ __align__(128) char smem[];
     const int tidx = threadIdx.x;
-    // Heavier tiles (later rows under a causal mask) are scheduled first.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y;
+    // blockIdx.x = rank * Hq + head: the CTAs of rank 0 (the heaviest tile of every head) start
+    // first. Without a work order the heaviest tiles are the last rows under a causal mask.
+    const int m_tiles = gridDim.x / p.hq;
+    const int rank = blockIdx.x / p.hq;
+    const int h = blockIdx.x % p.hq;
     const bool split = p.num_splits > 1;
     const int b = blockIdx.z / p.num_splits;
     const int split_idx = blockIdx.z % p.num_splits;
+    const int m_block = Has_mask && p.tile_order != nullptr
+                            ? p.tile_order[(int64_t(b) * p.hm + h / p.q_per_mask_head) * m_tiles + rank]
+                            : (Is_causal ? m_tiles - 1 - rank : rank);
     const int r0 = m_block * kBlockM;
     const int r1 = min(r0 + kBlockM, p.sq);
     const int kv_h = h / p.q_per_kv_head;

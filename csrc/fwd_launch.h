@@ -11,7 +11,7 @@ namespace flashmask {
 template <int kHeadDim, typename Element>
 void run_fwd(const AttnParams& p, cudaStream_t stream) {
     using Traits = FwdTraits<kHeadDim, Element>;
-    const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b * p.num_splits);
+    const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM * p.hq, 1, p.b * p.num_splits);
     constexpr int smem = Traits::kSmemBytes;
     auto launch = [&](auto is_causal, auto mask_c) {
         launch_with_smem(&fwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,

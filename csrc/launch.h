@@ -8,7 +8,8 @@ namespace flashmask {
 
 #define FLASHMASK_DECLARE(HDIM, DTYPE)                                        \
     void run_fwd_hdim##HDIM##_##DTYPE(const AttnParams&, cudaStream_t);       \
-    void run_bwd_hdim##HDIM##_##DTYPE(const BwdParams&, bool, cudaStream_t);
+    void run_bwd_kv_hdim##HDIM##_##DTYPE(const BwdParams&, cudaStream_t);     \
+    void run_bwd_dq_hdim##HDIM##_##DTYPE(const BwdParams&, cudaStream_t);
 #define FLASHMASK_FOR_ALL(X) X(32, fp16) X(32, bf16) X(64, fp16) X(64, bf16) X(96, fp16) X(96, bf16) \
     X(128, fp16) X(128, bf16) X(192, fp16) X(192, bf16) X(256, fp16) X(256, bf16)
 FLASHMASK_FOR_ALL(FLASHMASK_DECLARE)

@@ -46,7 +46,37 @@ __global__ void mask_bounds_kernel(const int* __restrict__ mask, int* __restrict
     }
 }
 
+// One warp per query tile: its lanes classify the key blocks up to the causal bound.
+__global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int total_tiles, int n_blocks,
+                                 int m_tiles, int block_m, int block_n, int sq, int sk, bool causal) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= total_tiles) return;
+    const int r0 = (warp % m_tiles) * block_m;
+    const int r1 = min(r0 + block_m, sq);
+    int n_end = n_blocks;
+    if (causal) {
+        const int last_key = r1 - 1 + sk - sq;
+        n_end = last_key < 0 ? 0 : min(n_end, last_key / block_n + 1);
+    }
+    const int* b = bounds + int64_t(warp / m_tiles) * n_blocks * kNumBounds;
+    int count = 0;
+    for (int n = lane; n < n_end; n += 32) count += !classify_tile(b + n * kNumBounds, r0, r1).fully_masked;
+    for (int s = 16; s > 0; s /= 2) count += __shfl_xor_sync(0xffffffffu, count, s);
+    if (lane == 0) work[warp] = count;
+}
+
 }  // namespace
+
+void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
+                      int block_n, int sq, int sk, bool causal, cudaStream_t stream) {
+    const int total = batch_heads * m_tiles;
+    if (total == 0) return;
+    constexpr int kThreads = 256;
+    tile_work_kernel<<<(total * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        bounds, work, total, n_blocks, m_tiles, block_m, block_n, sq, sk, causal);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
                         int block_n, cudaStream_t stream) {

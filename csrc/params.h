@@ -33,6 +33,10 @@ struct AttnParams {
     int num_splits;
     float* o_partial;
     float* lse_partial;
+
+    // Forward launch order: query tiles of each (batch, mask head) by decreasing work
+    // ([B, Hm, m_tiles]), so that long tiles start first; nullptr: reversed for causal.
+    const int* tile_order;
 };
 
 // The backward adds dO, the row sums D = rowsum(dO * O) - dLSE, and the gradients.

@@ -1,9 +1,7 @@
-// One translation unit per (head dim, dtype) so that the build compiles them in parallel.
+// One translation unit per (kernel, head dim, dtype) so that the build compiles them in parallel.
 #include "bwd_launch.h"
 #include "launch.h"
 
 namespace flashmask {
-void run_bwd_hdim32_fp16(const BwdParams& p, bool deterministic, cudaStream_t stream) {
-    run_bwd<32, cutlass::half_t>(p, deterministic, stream);
-}
+void run_bwd_kv_hdim32_fp16(const BwdParams& p, cudaStream_t stream) { run_bwd_kv<32, cutlass::half_t>(p, stream); }
 }  // namespace flashmask

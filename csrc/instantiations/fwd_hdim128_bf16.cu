@@ -1,4 +1,4 @@
-// One translation unit per (head dim, dtype) so that the build compiles them in parallel.
+// One translation unit per (kernel, head dim, dtype) so that the build compiles them in parallel.
 #include "fwd_launch.h"
 #include "launch.h"
 

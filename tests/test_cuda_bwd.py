@@ -39,7 +39,9 @@ def check_backward(q, k, v, mask, causal, dlse=False, deterministic=False, scale
     low = grads(lambda a, b, c: low_precision_attention(a, b, c, mask, causal, scale), q, k, v, dout, dl)
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         assert not torch.isnan(g).any(), f"NaN in {name}"
-        bound = 2 * max_err(lo, r) + 1e-3 * max(r.abs().max().item(), 1e-3)
+        # The epsilon is a thousandth of the gradient's scale, floored at 1e-5 for degenerate cases
+        # whose exact gradient is 0 (e.g. a single key: dS = P (dP - D) = 0 up to fp32 rounding).
+        bound = 2 * max_err(lo, r) + 1e-3 * max(r.abs().max().item(), 1e-2)
         err = max_err(g, r)
         assert err <= bound, f"{name} error {err:.3e} > bound {bound:.3e}"
     return got

@@ -61,11 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-mem-fraction", type=float, default=0.5,
                    help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
     p.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("testing options")
-    g.add_argument("--device", default="cuda", help="torch device (cpu only for smoke tests)")
-    g.add_argument("--flashmask-backend", default="cuda", choices=["cuda", "auto", "reference"],
-                   help="backend= passed to flashmask_attention")
-    g.add_argument("--flex-no-compile", action="store_true", help="eager flex_attention (slow; for smoke tests)")
+    common.add_testing_args(p)
     return p
 
 

@@ -52,10 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep", type=float, default=None, help="do_bench repetition time in ms (default 100, --quick 30)")
     p.add_argument("--force", action="store_true", help="time flashmask backward even without a backward kernel")
     p.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("testing options")
-    g.add_argument("--device", default="cuda", help="torch device (cpu only for smoke tests)")
-    g.add_argument("--flashmask-backend", default="cuda", choices=["cuda", "auto", "reference"])
-    g.add_argument("--flex-no-compile", action="store_true", help="eager flex_attention (slow; for smoke tests)")
+    common.add_testing_args(p)
     return p
 
 

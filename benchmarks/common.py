@@ -202,6 +202,15 @@ def bwd_tile(head_dim: int) -> Tuple[int, int]:
     return (64, 128) if head_dim <= 128 else (64, 64)
 
 
+def add_testing_args(p, device_help: str = "torch device (cpu only for smoke tests)") -> None:
+    """The options that let the CPU smoke tests run a benchmark script without CUDA."""
+    g = p.add_argument_group("testing options")
+    g.add_argument("--device", default="cuda", help=device_help)
+    g.add_argument("--flashmask-backend", default="cuda", choices=["cuda", "auto", "reference"],
+                   help="backend= passed to flashmask_attention")
+    g.add_argument("--flex-no-compile", action="store_true", help="eager flex_attention (slow; for smoke tests)")
+
+
 def bounds_bytes(startend: torch.Tensor, block_n: int) -> int:
     """Bytes of the per-key-block mask bounds (8 int32 per block of ``block_n`` columns, SPEC 4)."""
     b, hm, sk, _ = startend.shape

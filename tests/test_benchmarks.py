@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -281,3 +282,19 @@ def test_bench_memory_flow_on_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Mask representation" in out and "One call" in out
     assert (tmp_path / "memory.csv").exists() and (tmp_path / "memory.json").exists()
+
+
+def _c_tile(fn_name, head_dim):
+    """(BlockM, BlockN) from csrc/tile_config.h, whose tables benchmarks/common.py mirrors."""
+    src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "tile_config.h")).read()
+    body = re.search(rf"constexpr \w+ {fn_name}\(int head_dim\) \{{\s*return (.*?);\s*\}}", src, re.S).group(1)
+    for limit, m, n, _ in re.findall(r"(?:head_dim <= (\d+) \? )?\w+Tile\{(\d+), (\d+), (\d+)\}", body):
+        if not limit or head_dim <= int(limit):
+            return int(m), int(n)
+    raise AssertionError(f"could not read {fn_name} from tile_config.h")
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+def test_tile_tables_mirror_the_kernels(head_dim):
+    assert common.fwd_tile(head_dim) == _c_tile("fwd_tile", head_dim)
+    assert common.bwd_tile(head_dim) == _c_tile("bwd_tile", head_dim)

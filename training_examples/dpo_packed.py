@@ -47,13 +47,8 @@ import example_utils  # noqa: E402  (also puts the repository root on sys.path)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                epilog="Model presets: " + ", ".join(
-                                    f"{k}={v[2]} layers x {v[0]} hidden" for k, v in example_utils.MODEL_SIZES.items()),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=os.path.join(example_utils.DATA_DIR, "dpo.jsonl"),
-                   help="JSONL file with 'prompt', 'chosen' and 'rejected' fields (default: data/dpo.jsonl)")
-    example_utils.add_common_args(p, default_lr=1e-3, default_steps=20)
+    p = example_utils.make_parser(__doc__, "dpo.jsonl", "JSONL file with 'prompt', 'chosen' and 'rejected' fields",
+                                  default_lr=1e-3, default_steps=20)
     p.add_argument("--beta", type=float, default=0.1, help="DPO temperature beta (default: %(default)s)")
     p.add_argument("--average-logps", action="store_true",
                    help="use the mean per-token log-probability of each response instead of the sum")

@@ -154,6 +154,19 @@ def peak_memory_str(device: torch.device) -> str:
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (rss)"
 
 
+def make_parser(doc: str, data_file: str, data_help: str, *, default_lr: float,
+                default_steps: int) -> argparse.ArgumentParser:
+    """The examples' argument parser: --data (default data/<data_file>) and the common options."""
+    p = argparse.ArgumentParser(description=doc,
+                                epilog="Model presets: " + ", ".join(
+                                    f"{k}={v[2]} layers x {v[0]} hidden" for k, v in MODEL_SIZES.items()),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=os.path.join(DATA_DIR, data_file),
+                   help=f"{data_help} (default: data/{data_file})")
+    add_common_args(p, default_lr=default_lr, default_steps=default_steps)
+    return p
+
+
 def add_common_args(p: argparse.ArgumentParser, *, default_lr: float, default_steps: int) -> None:
     p.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="model family (default: %(default)s)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny",

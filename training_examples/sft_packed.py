@@ -35,13 +35,8 @@ import example_utils  # noqa: E402  (also puts the repository root on sys.path)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                epilog="Model presets: " + ", ".join(
-                                    f"{k}={v[2]} layers x {v[0]} hidden" for k, v in example_utils.MODEL_SIZES.items()),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=os.path.join(example_utils.DATA_DIR, "sft.jsonl"),
-                   help="JSONL file with 'instruction' and 'response' fields (default: data/sft.jsonl)")
-    example_utils.add_common_args(p, default_lr=3e-3, default_steps=30)
+    p = example_utils.make_parser(__doc__, "sft.jsonl", "JSONL file with 'instruction' and 'response' fields",
+                                  default_lr=3e-3, default_steps=30)
     p.add_argument("--loss-on-prompt", action="store_true", help="also train on the instruction tokens")
     p.add_argument("--attn-implementation", default=None,
                    help="transformers attention backend; default: the flashmask backend 'fm_colmask'. 'sdpa' "

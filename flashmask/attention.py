@@ -58,8 +58,9 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _checks.check_mask(startend_row_indices, q, k, causal, check_values=validate)
     if window_size is not None:
         if startend_row_indices is None:
+            # One row per sample: the kernels index the mask by batch (no broadcasting).
             startend_row_indices = window_to_startend(tuple(window_size), q.shape[1], k.shape[1], causal,
-                                                      device=q.device)
+                                                      batch_size=q.shape[0], device=q.device)
         else:
             startend_row_indices = merge_window(startend_row_indices, causal, tuple(window_size), q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)

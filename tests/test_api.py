@@ -382,3 +382,19 @@ def test_public_api_exports():
     assert flashmask.reference_attention is reference_attention
     for name in flashmask.__all__:
         assert hasattr(flashmask, name), name
+
+
+def test_window_mask_has_one_row_per_sample(monkeypatch):
+    # The kernels index the mask by batch without broadcasting, so a mask built from window_size
+    # alone must have B rows, not 1.
+    import flashmask.attention as attention
+    seen = {}
+
+    def spy(q, k, v, startend_row_indices=None, **kw):
+        seen["mask"] = startend_row_indices
+        return reference_attention(q, k, v, startend_row_indices, **kw)
+
+    monkeypatch.setattr(attention, "reference_attention", spy)
+    q, k, v = (torch.randn(3, 20, 2, 8) for _ in range(3))
+    attention.flashmask_attention(q, k, v, causal=True, window_size=(4, 0))
+    assert seen["mask"].shape[0] == 3

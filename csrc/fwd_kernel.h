@@ -1,4 +1,5 @@
-// FlashAttention-2 forward with FlashMask tile skipping: one CTA per (query tile, head, batch).
+// FlashAttention-2 forward with FlashMask tile skipping: one CTA per (query tile, head, batch),
+// and per key split in split-KV mode; query tiles start in decreasing order of work.
 //
 // Key blocks are visited from the last visible one down to block 0. A block that the column
 // intervals mask entirely for this tile's rows is never loaded nor multiplied: the K prefetch goes

@@ -61,31 +61,13 @@ def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministi
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: Optional[torch.Tensor], startend_row_indices: Optional[torch.Tensor],
         causal: bool, softmax_scale: float, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if has_backward():
-        dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale,
-                            deterministic)
-        return dq, dk, dv
-    return _reference_bwd(dout, q, k, v, dlse, startend_row_indices, causal, softmax_scale)
+    dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic)
+    return dq, dk, dv
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _reference_bwd(dout, q, k, v, dlse, startend_row_indices, causal, softmax_scale):
-    """Gradients through the reference path, for builds without the backward kernel."""
-    from flashmask.reference import reference_attention
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = reference_attention(*leaves, startend_row_indices, causal=causal, softmax_scale=softmax_scale)
-        outputs, grads = [out], [dout]
-        if dlse is not None:
-            # +inf LSE on empty rows has no gradient; keep inf*0 out of the sum.
-            outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
-            grads.append(dlse)
-        dq, dk, dv = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip((dq, dk, dv), (q, k, v)))
 
 
 def _setup_context(ctx, inputs, output):

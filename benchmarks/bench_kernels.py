@@ -6,11 +6,16 @@ method gets exactly that mask (FlexAttention through a mask_mod read from the sa
 backends when the mask is plain causal or full). FLOPs are counted on unmasked pairs only
 (SPEC section 5), so TFLOP/s of different methods on one row compare their times directly.
 
+``--methods ...,flashmask_det`` adds flashmask with ``deterministic=True`` (bitwise reproducible
+gradients): backward rows only (its forward is the default one), next to ``flashmask`` so that the
+cost of deterministic mode can be read off the table (``det ms``, ``det cost``).
+
 Example::
 
     python benchmarks/bench_kernels.py                      # 12 families x 8K, 32K x fwd, fwd+bwd
     python benchmarks/bench_kernels.py --families causal,document --seqlens 8k,32k,128k --plot
     python benchmarks/bench_kernels.py --modes fwd,bwd,fwdbwd --methods flashmask,flex --quick
+    python benchmarks/bench_kernels.py --methods flashmask,flashmask_det --modes bwd,fwdbwd
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import METHODS, MODES  # noqa: E402
+from benchmarks.common import ALL_METHODS, METHODS, MODES  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -46,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of methods")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma list of {', '.join(ALL_METHODS)} ('all' = every one); flashmask_det = flashmask "
+                        "with deterministic=True, bwd and fwd+bwd rows only")
     p.add_argument("--out", default=None,
                    help="folder for kernels.csv / kernels.json (and plots/); default benchmarks/results/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
@@ -74,7 +81,7 @@ def parse_args(argv=None):
         args.seqlens = common.parse_int_list(args.seqlens)
         args.head_dims = common.parse_int_list(args.head_dims)
         args.modes = common.parse_choice_list(args.modes, MODES, "modes")
-        args.methods = common.parse_choice_list(args.methods, METHODS, "methods")
+        args.methods = common.parse_choice_list(args.methods, ALL_METHODS, "methods")
     except ValueError as e:
         parser.error(str(e))
     if args.warmup is None:
@@ -86,13 +93,7 @@ def parse_args(argv=None):
     return args
 
 
-def _cell(row, key="ms", fmt="{:.3f}"):
-    """A table cell: the number, or the row's status (n/a, OOM, err) when it has none."""
-    if row is None:
-        return "-"
-    if row["status"] != "ok" or row.get(key) is None:
-        return {"n/a": "n/a", "oom": "OOM", "error": "err"}.get(row["status"], row["status"])
-    return fmt(row[key]) if callable(fmt) else fmt.format(row[key])
+_cell = common.table_cell
 
 
 def _tf(x: float) -> str:
@@ -100,25 +101,37 @@ def _tf(x: float) -> str:
 
 
 def summary_table(rows) -> str:
-    """One line per (family, seqlen, head dim, mode): flashmask vs flex vs SDPA."""
+    """One line per (family, seqlen, head dim, mode): flashmask vs flex vs SDPA (and, when measured,
+    deterministic flashmask: its ms and its time relative to the default flashmask)."""
     groups = OrderedDict()
     for r in rows:
         groups.setdefault((r["family"], r["seqlen"], r["head_dim"], r["mode"]), {})[r["method"]] = r
+    with_det = any(r["method"] == "flashmask_det" for r in rows)
     table = []
     for (fam, s, d, mode), by in groups.items():
         fm, fx, dn = by.get("flashmask"), by.get("flex"), by.get("sdpa_dense")
         fa, cu = by.get("sdpa_flash"), by.get("sdpa_cudnn")
         density = next((r["density"] for r in by.values() if r.get("density") is not None), None)
-        speed = "-"
-        if fm and fx and fm["status"] == "ok" and fx["status"] == "ok" and fm["ms"] and fx["ms"]:
-            speed = f"{fx['ms'] / fm['ms']:.2f}x"
         fa_cu = "-" if fa is None and cu is None else f"{_cell(fa, 'tflops', _tf)}/{_cell(cu, 'tflops', _tf)}"
-        table.append([fam, common.fmt_len(s), d, MODE_LABEL[mode], "-" if density is None else f"{density:.3f}",
-                      _cell(fm), _cell(fm, "tflops", _tf), _cell(fx), _cell(fx, "tflops", _tf),
-                      _cell(dn, "tflops", _tf), fa_cu, speed])
+        line = [fam, common.fmt_len(s), d, MODE_LABEL[mode], "-" if density is None else f"{density:.3f}",
+                _cell(fm), _cell(fm, "tflops", _tf), _cell(fx), _cell(fx, "tflops", _tf),
+                _cell(dn, "tflops", _tf), fa_cu, _ratio(fx, fm)]
+        if with_det:
+            det = by.get("flashmask_det")
+            line += [_cell(det), _ratio(det, fm)]
+        table.append(line)
     headers = ["family", "S", "D", "mode", "density", "fm ms", "fm TF/s", "flex ms", "flex TF/s", "dense TF/s",
                "fa2/cudnn TF/s", "vs flex"]
-    return common.format_table(headers, table, align="lrrlrrrrrrrr")
+    if with_det:
+        headers += ["det ms", "det cost"]
+    return common.format_table(headers, table, align="lrrl" + "r" * (len(headers) - 4))
+
+
+def _ratio(num, den) -> str:
+    """``num ms / den ms`` as ``1.23x`` when both rows have a time, else ``-``."""
+    if num and den and num["status"] == "ok" and den["status"] == "ok" and num.get("ms") and den.get("ms"):
+        return f"{num['ms'] / den['ms']:.2f}x"
+    return "-"
 
 
 def plot_families(rows, out_dir: str):
@@ -146,7 +159,7 @@ def plot_families(rows, out_dir: str):
                         xs.append(x + (i - (len(methods) - 1) / 2) * width)
                         ys.append(r["tflops"])
                 if xs:
-                    color = f"C{METHODS.index(m)}" if m in METHODS else None  # one colour per method in every chart
+                    color = f"C{ALL_METHODS.index(m)}" if m in ALL_METHODS else None  # one colour per method
                     ax.bar(xs, ys, width=width, label=m, color=color)
             labels = []
             for s, d in configs:
@@ -175,7 +188,8 @@ def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=
 
 
 def _progress(i, total, r):
-    what = f"{r['family']} S={common.fmt_len(r['seqlen'])} D={r['head_dim']} {MODE_LABEL[r['mode']]:7s} {r['method']:10s}"
+    what = (f"{r['family']} S={common.fmt_len(r['seqlen'])} D={r['head_dim']} {MODE_LABEL[r['mode']]:7s} "
+            f"{r['method']:13s}")
     if r["status"] == "ok":
         res = f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  first call {r['first_call_s']:.2f} s"
     else:
@@ -199,14 +213,15 @@ def run(args) -> list:
     env = meta["env"]
     print(f"device {env.get('gpu', device)} | torch {env['torch']} | triton {env['triton']} | flashmask kernels "
           f"{env.get('flashmask_kernels')} (backward kernel: {env.get('flashmask_backward_kernel')})", flush=True)
-    if not flashmask.cuda.has_backward() and any(m != "fwd" for m in args.modes) and "flashmask" in args.methods:
+    if not flashmask.cuda.has_backward() and any(m != "fwd" for m in args.modes) \
+            and any(m.startswith("flashmask") for m in args.methods):
         print("note: no flashmask backward kernel: flashmask bwd rows are n/a"
               + (" (timed on the reference path: --force)" if args.force else " (use --force to time the reference path)"),
               flush=True)
 
     rows: list = []
     configs = [(f, s, d) for f in args.families for s in args.seqlens for d in args.head_dims]
-    total = len(configs) * len(args.methods) * len(args.modes)
+    total = len(configs) * sum(len(common.method_modes(m, args.modes)) for m in args.methods)
     done = 0
     fatal = None
     t_start = time.perf_counter()
@@ -234,7 +249,7 @@ def run(args) -> list:
             startend = tensors = None
             common.cleanup()
             for method in args.methods:
-                for mode in args.modes:
+                for mode in common.method_modes(method, args.modes):
                     add(_row(fam, s, d, args, mode, method, None, None, setup_error["status"],
                              notes=setup_error["notes"]))
             fatal = setup_error["notes"] if setup_error["fatal"] else None
@@ -245,17 +260,20 @@ def run(args) -> list:
         for method in args.methods:
             if fatal:
                 break
+            modes = common.method_modes(method, args.modes)  # flashmask_det: no fwd rows
+            if not modes:
+                continue
             prep, failed = common.try_prepare(method, problem, opts)
             if failed is not None:
                 if failed["status"] == "skip":  # e.g. flash/cuDNN SDPA with a mask they cannot take
-                    total -= len(args.modes)
+                    total -= len(modes)
                     continue
                 common.cleanup()
-                for mode in args.modes:
+                for mode in modes:
                     add(_row(fam, s, d, args, mode, method, density, pairs, failed["status"], notes=failed["notes"]))
                 fatal = failed["notes"] if failed["fatal"] else None
                 continue
-            for mode in args.modes:
+            for mode in modes:
                 if fatal:
                     break
                 res = common.try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)

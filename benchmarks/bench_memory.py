@@ -82,31 +82,17 @@ def parse_args(argv=None):
     return args
 
 
-def _peak_since(device, base: Optional[int]) -> Optional[int]:
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.max_memory_allocated(device) - base)
-
-
-def _reset(device) -> Optional[int]:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return int(torch.cuda.memory_allocated(device))
-
-
 def call_peak(prep, mode: str, tensors, device) -> Optional[int]:
     """Peak bytes above the allocated memory before the call, on the second call of ``mode``."""
     q, k, v, dout = tensors
     step = common.make_step(prep.attn, mode, q, k, v, dout)
     r = step()  # compiles, plans, workspaces
     del r
-    base = _reset(device)
+    base = common.reset_peak(device)
     r = step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    peak = _peak_since(device, base)
+    peak = common.peak_since(device, base)
     del r, step
     return peak
 
@@ -169,7 +155,7 @@ def run(args) -> list:
                 row = {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "batch": args.batch,
                        "method": method, "density": density, **{k: rep[k] for k in FIELDS if k in rep}}
                 notes = []
-                base = _reset(device)
+                base = common.reset_peak(device)
                 prep, failed = common.try_prepare(method, problem, opts)
                 if failed is not None:
                     if failed["status"] == "skip":
@@ -178,7 +164,7 @@ def run(args) -> list:
                     fatal = failed["notes"] if failed["fatal"] else None
                     common.cleanup()
                 else:
-                    row["build_peak_bytes"] = _peak_since(device, base)
+                    row["build_peak_bytes"] = common.peak_since(device, base)
                     row["mask_bytes"] = prep.mask_bytes
                     notes.extend(n for n in prep.notes if n)
                     status = "ok"

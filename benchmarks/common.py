@@ -4,12 +4,15 @@
   :func:`attn_flops`. The counter works from the column intervals in O(Sk) and does not use
   ``masks/format.py``, so that the tests can check it against ``masks.format.to_dense``.
 * Tile accounting (SPEC section 4 skip rules): :func:`tile_stats`.
-* The methods compared (:data:`METHODS`) behind one interface: :func:`prepare_method` returns a
-  :class:`Prepared` whose ``attn(q, k, v)`` takes and returns ``[B, S, H, D]`` tensors.
+* The methods compared (:data:`METHODS`, plus the opt-in :data:`EXTRA_METHODS`) behind one
+  interface: :func:`prepare_method` returns a :class:`Prepared` whose ``attn(q, k, v)`` takes and
+  returns ``[B, S, H, D]`` tensors; :func:`method_modes` drops the modes a method has no row for.
 * FlexAttention glue: :func:`flex_mask_mod` (a ``mask_mod`` that gives exactly the mask of a
   ``startend_row_indices`` tensor) and a cache that keeps compiled kernels reusable.
-* Timing (:func:`time_ms`, :func:`make_step`, :func:`run_mode`), memory clean-up, error
-  formatting, tables, CSV/JSON output and plots.
+* Dense masks for SDPA, bool or additive (:func:`dense_mask`, :func:`dense_fit`).
+* Timing (:func:`time_ms`, :func:`make_step`, :func:`run_mode`), peak-memory counters
+  (:func:`reset_peak`, :func:`peak_since`), memory clean-up, error formatting, tables
+  (:func:`format_table`, :func:`table_cell`), CSV/JSON output and plots.
 
 Nothing here needs CUDA or triton at import time: triton, matplotlib and FlexAttention are
 imported where they are used.
@@ -33,7 +36,12 @@ if ROOT not in sys.path:  # run from a checkout without installing the package
 
 import torch  # noqa: E402
 
-METHODS = ("flashmask", "flex", "sdpa_dense", "sdpa_flash", "sdpa_cudnn")
+METHODS = ("flashmask", "flex", "sdpa_dense", "sdpa_flash", "sdpa_cudnn")  # the default set
+# Opt-in methods (only when named in --methods): flashmask with deterministic=True, whose forward is
+# the default one, so it has backward rows only.
+EXTRA_METHODS = ("flashmask_det",)
+ALL_METHODS = METHODS + EXTRA_METHODS
+METHOD_SKIP_MODES = {"flashmask_det": ("fwd",)}
 MODES = ("fwd", "bwd", "fwdbwd")
 # FLOPs of a mode relative to the forward's 4 * B * H * D * pairs (SPEC section 5).
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
@@ -80,6 +88,13 @@ def parse_choice_list(text: str, choices: Sequence[str], what: str) -> List[str]
     if not items:
         raise ValueError(f"no {what} given")
     return list(dict.fromkeys(items))
+
+
+def method_modes(method: str, modes: Sequence[str]) -> List[str]:
+    """The modes of ``modes`` that ``method`` has rows for (``flashmask_det``: no ``fwd``, it is the
+    default forward)."""
+    skip = METHOD_SKIP_MODES.get(method, ())
+    return [m for m in modes if m not in skip]
 
 
 def fmt_len(s: int) -> str:
@@ -481,29 +496,43 @@ def dense_mask_bytes(batch: int, mask_heads: int, seqlen_q: int, seqlen_k: int) 
 
 
 def dense_fit(batch: int, mask_heads: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype,
-              device: torch.device, fraction: float = 0.5) -> Tuple[bool, str]:
-    """Whether a dense bool mask, plus the additive mask in ``dtype`` that SDPA makes of it on each
-    call, fits in ``fraction`` of the free memory. Returns ``(fits, note)``."""
+              device: torch.device, fraction: float = 0.5, additive: bool = False) -> Tuple[bool, str]:
+    """Whether a dense mask fits in ``fraction`` of the free memory. Returns ``(fits, note)``.
+
+    ``additive=False``: a bool mask plus the additive mask in ``dtype`` that SDPA makes of it on each
+    call. ``additive=True``: one additive mask in ``dtype`` (given to SDPA as is).
+    """
     n = dense_mask_bytes(batch, mask_heads, seqlen_q, seqlen_k)
-    need = n * (1 + torch.empty((), dtype=dtype).element_size())
+    size = torch.empty((), dtype=dtype).element_size()
+    if additive:
+        need = n * size
+        note = f"S^2 mask = {need / 1e9:.1f} GB additive {str(dtype).replace('torch.', '')}"
+    else:
+        need = n * (1 + size)
+        note = f"S^2 mask = {n / 1e9:.1f} GB bool + {need / 1e9 - n / 1e9:.1f} GB additive mask per call"
     free = free_memory_bytes(device)
-    note = (f"S^2 mask = {n / 1e9:.1f} GB bool + {need / 1e9 - n / 1e9:.1f} GB additive mask per call"
-            + ("" if free is None else f", {free / 1e9:.1f} GB free"))
+    note += "" if free is None else f", {free / 1e9:.1f} GB free"
     if free is not None and need > fraction * free:
         return False, f"does not fit ({note})"
     return True, note
 
 
-def dense_mask(startend: torch.Tensor, causal: bool, seqlen_q: int, chunk_bytes: int = 1 << 27) -> torch.Tensor:
-    """The bool mask ``[B, Hm, Sq, Sk]`` (True = attend), expanded with ``masks.format.to_dense`` a
-    chunk of rows at a time on the mask's device."""
+def dense_mask(startend: torch.Tensor, causal: bool, seqlen_q: int, chunk_bytes: int = 1 << 27,
+               dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """The dense mask ``[B, Hm, Sq, Sk]``, expanded with ``masks.format.to_dense`` a chunk of rows at
+    a time on the mask's device. ``dtype=torch.bool``: True = attend; a float dtype: an additive
+    mask, 0 where attended and the dtype's lowest value elsewhere (as transformers makes them)."""
     from masks.format import to_dense
     b, hm, sk, _ = startend.shape
-    out = torch.empty(b, hm, seqlen_q, sk, dtype=torch.bool, device=startend.device)
+    out = torch.empty(b, hm, seqlen_q, sk, dtype=dtype, device=startend.device)
     rows = max(1, chunk_bytes // max(1, b * hm * sk))
     for r0 in range(0, seqlen_q, rows):
         r1 = min(seqlen_q, r0 + rows)
-        out[:, :, r0:r1] = to_dense(startend, causal, seqlen_q=seqlen_q, rows=slice(r0, r1))
+        allowed = to_dense(startend, causal, seqlen_q=seqlen_q, rows=slice(r0, r1))
+        if dtype == torch.bool:
+            out[:, :, r0:r1] = allowed
+        else:
+            out[:, :, r0:r1].zero_().masked_fill_(~allowed, torch.finfo(dtype).min)
     return out
 
 
@@ -555,6 +584,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+sync = _sync  # the public name, for the scripts
+
+
 def _bhsd(x):
     return x.transpose(1, 2)
 
@@ -566,14 +598,16 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
     than causal or none, a dense mask that does not fit).
     """
     sq = sk = p.seqlen
-    if method == "flashmask":
+    if method in ("flashmask", "flashmask_det"):
         import flashmask
         if opt.flashmask_backend == "cuda" and not flashmask.cuda.available():
             raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
         startend, causal, backend = p.startend, p.causal, opt.flashmask_backend
+        deterministic = method == "flashmask_det"
 
         def attn(q, k, v):
-            return flashmask.flashmask_attention(q, k, v, startend, causal=causal, backend=backend)
+            return flashmask.flashmask_attention(q, k, v, startend, causal=causal, backend=backend,
+                                                 deterministic=deterministic)
 
         _, bn = fwd_tile(p.head_dim)
         prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn))
@@ -634,7 +668,7 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
 
         return Prepared(attn, mask_bytes=0)
 
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
 
 
 def release(prep: Optional[Prepared]) -> None:
@@ -729,6 +763,22 @@ def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float
     return ms, first
 
 
+def reset_peak(device: torch.device) -> Optional[int]:
+    """Synchronise, reset the CUDA peak counter and return the bytes allocated now (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def peak_since(device: torch.device, base: Optional[int] = 0) -> Optional[int]:
+    """``torch.cuda.max_memory_allocated`` minus ``base`` (bytes; None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device) - (base or 0))
+
+
 def status_of(e: BaseException) -> str:
     return "oom" if is_oom(e) else "error"
 
@@ -811,6 +861,24 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align
     out = [line(list(headers)), line(["-" * w for w in widths])]
     out.extend(line(r) for r in rows)
     return "\n".join(out)
+
+
+def table_cell(row: Optional[dict], key: str = "ms", fmt="{:.3f}") -> str:
+    """A table cell: ``row[key]`` formatted (``fmt``: a format string or a function), or the row's
+    status (``n/a``, ``OOM``, ``err``) when it failed; ``-`` without a row or without the number."""
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return {"n/a": "n/a", "oom": "OOM", "error": "err"}.get(row["status"], row["status"])
+    if row.get(key) is None:
+        return "-"
+    return fmt(row[key]) if callable(fmt) else fmt.format(row[key])
+
+
+def shorten(text: Optional[str], limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters (with ``...``) for a table cell."""
+    text = text or ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _csv_value(v):

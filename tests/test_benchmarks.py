@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import bench_kernels, bench_memory, bench_scaling, common  # noqa: E402
+from benchmarks import bench_kernels, bench_memory, bench_scaling, bench_train, common  # noqa: E402
 
 LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 SIZES = [(1, 1), (1, 5), (5, 1), (17, 17), (9, 23), (23, 9), (64, 64)]
@@ -176,7 +176,7 @@ def test_parse_helpers():
     assert "--" in common.format_table(["a", "b"], [[1, 2.5]])
 
 
-@pytest.mark.parametrize("module", [bench_kernels, bench_scaling, bench_memory])
+@pytest.mark.parametrize("module", [bench_kernels, bench_scaling, bench_memory, bench_train])
 def test_cli_help(module, capsys):
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
@@ -190,7 +190,7 @@ def test_scripts_run_as_files_without_cuda_or_triton():
     code = f"""
 import os, runpy, sys
 sys.modules['triton'] = None  # any `import triton` now fails
-for name in ('bench_kernels.py', 'bench_scaling.py', 'bench_memory.py'):
+for name in ('bench_kernels.py', 'bench_scaling.py', 'bench_memory.py', 'bench_train.py'):
     path = os.path.join({ROOT!r}, 'benchmarks', name)
     sys.argv = [path, '--help']
     try:
@@ -200,6 +200,7 @@ for name in ('bench_kernels.py', 'bench_scaling.py', 'bench_memory.py'):
     else:
         raise AssertionError(name + ' --help did not exit')
 import benchmarks.common, benchmarks.bench_kernels, benchmarks.bench_scaling, benchmarks.bench_memory
+import benchmarks.bench_train
 import torch
 assert not torch.cuda.is_initialized()
 print('IMPORTS-OK')
@@ -208,7 +209,7 @@ print('IMPORTS-OK')
     env["CUDA_VISIBLE_DEVICES"] = ""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd="/")
     assert r.returncode == 0, r.stderr
-    assert "IMPORTS-OK" in r.stdout and r.stdout.count("usage:") == 3
+    assert "IMPORTS-OK" in r.stdout and r.stdout.count("usage:") == 4
 
 
 def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
@@ -239,6 +240,39 @@ def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
     assert len(data["rows"]) == len(rows) and "env" in data["meta"]
     assert (tmp_path / "plots" / "causal.png").exists()
     assert "vs flex" in out and "global_sliding_window" in out
+
+
+def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypatch):
+    """flashmask_det: opt-in (not in the default methods), backward rows only, next to flashmask."""
+    assert "flashmask_det" not in bench_kernels.parse_args(["--out", str(tmp_path)]).methods
+    rows = bench_kernels.run(bench_kernels.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--families", "causal_document", "--seqlens", "64",
+        "--heads", "2", "--head-dims", "16", "--modes", "fwd,bwd,fwdbwd", "--methods", "flashmask,flashmask_det",
+        "--warmup", "0", "--rep", "0", "--out", str(tmp_path)]))
+    assert [(r["mode"], r["method"]) for r in rows] == [
+        ("fwd", "flashmask"), ("bwd", "flashmask"), ("fwdbwd", "flashmask"), ("bwd", "flashmask_det"),
+        ("fwdbwd", "flashmask_det")]
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0 for r in rows), rows
+    det = {r["mode"]: r for r in rows if r["method"] == "flashmask_det"}
+    fm = {r["mode"]: r for r in rows if r["method"] == "flashmask"}
+    assert det["bwd"]["pairs"] == fm["bwd"]["pairs"] and det["bwd"]["density"] == fm["bwd"]["density"]
+    out = capsys.readouterr().out
+    assert "[   5/5]" in out and "det ms" in out and "det cost" in out
+    # the deterministic flag reaches flashmask_attention
+    import flashmask
+    p = common.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
+    seen, real = [], flashmask.flashmask_attention
+
+    def spy(*a, **k):
+        seen.append(k["deterministic"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(flashmask, "flashmask_attention", spy)
+    q, k, v, _ = common.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu"))
+    for m in ("flashmask", "flashmask_det"):
+        common.prepare_method(m, p, common.Options(flashmask_backend="reference")).attn(q, k, v)
+    assert seen == [False, True]
+    assert common.method_modes("flashmask_det", ["fwd"]) == [] and common.method_modes("flex", ["fwd"]) == ["fwd"]
 
 
 def test_bench_kernels_backward_na_without_kernel(tmp_path, capsys, monkeypatch):

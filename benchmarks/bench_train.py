@@ -1,0 +1,539 @@
+"""End to end: a packed SFT training step of a 0.5B-1B Llama-style model, per attention backend.
+
+A randomly initialised transformers model (``training_examples/example_utils.build_model``; presets
+``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``tiny`` for CPU tests) trains with
+AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
+exactly the context length by :class:`flashmask.data.PackedSFTCollator` (``position_ids`` restart
+at every document, label ``-100`` on every document's first token, and the causal-document mask
+``attn_mask_startend_row_indices``). Every method trains the same model (same seed) on the same
+batches under the same mask:
+
+* ``flashmask``: ``attn_implementation="fm_colmask"`` (:mod:`flashmask.integrations.transformers`),
+  the collator's ``attn_mask_startend_row_indices`` passed to the model;
+* ``sdpa_dense``: ``attn_implementation="sdpa"`` with an explicit 4-D ``[B, 1, S, S]`` mask
+  expanded from the same ``startend_row_indices`` (additive in the model dtype by default, so that
+  every layer uses the one tensor; ``--dense-mask bool``: SDPA converts it on every call); "does not
+  fit" when that mask would take more than ``--dense-mem-fraction`` of the free memory;
+* ``flex``: ``attn_implementation="flex_attention"`` with a ``BlockMask`` made by
+  ``create_block_mask`` from a ``mask_mod`` read from the same ``startend_row_indices``
+  (``--flex-mask position_ids``: transformers builds the packed block mask itself from the
+  restarting ``position_ids``, checked against ours before timing).
+
+A step = building the method's mask from the batch (the collator's ``startend_row_indices`` is
+the data pipeline's; the dense mask and the block mask are built per batch, as they would be in
+training), forward, loss, backward, ``optimizer.step()``, ``zero_grad``. After ``--warmup-steps``
+(compilation for flex), ``--steps`` steps are timed one by one (``torch.cuda.synchronize`` +
+``perf_counter``); peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps (reset
+before the first), so it includes weights, gradients and AdamW states. ``--find-max`` then
+doubles the context (flashmask only) from the largest ``--seqlens`` until a step fails (OOM) or
+``--max-seqlen`` is passed, and reports the longest that trained.
+
+Examples::
+
+    python benchmarks/bench_train.py                                   # 0.5b, 8K and 32K, 3 methods
+    python benchmarks/bench_train.py --model-size 1b --gradient-checkpointing --find-max
+    python benchmarks/bench_train.py --methods flashmask,flex --seqlens 8k,32k,64k --steps 10
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+
+import torch  # noqa: E402
+
+_EXAMPLES = os.path.join(common.ROOT, "training_examples")
+if _EXAMPLES not in sys.path:  # as the training examples import it
+    sys.path.insert(0, _EXAMPLES)
+import example_utils  # noqa: E402
+
+TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex")
+# The transformers attn_implementation of each method (fm_colmask: flashmask.integrations.transformers).
+ATTN_IMPLEMENTATION = {"flashmask": "fm_colmask", "sdpa_dense": "sdpa", "flex": "flex_attention"}
+FIELDS = ("model", "params", "seqlen", "batch", "method", "attn_implementation", "status", "find_max",
+          "tokens_per_s", "ms_per_step", "ms_min", "mask_ms", "peak_mem_gib", "peak_mem_bytes", "first_step_s",
+          "loss_first", "loss_last", "docs_per_row", "density", "notes")
+MAX_SEQLEN = 262144
+_FALLBACK_WARNING = "flashmask: using the reference path"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    sizes = example_utils.MODEL_SIZES
+    p = argparse.ArgumentParser(
+        prog="bench_train.py",
+        description="Packed SFT training step (tokens/s, peak memory) of a randomly initialised Llama-style model "
+                    "with flashmask, SDPA with a dense mask, and FlexAttention as transformers attention backends.",
+        epilog="Model presets (hidden, intermediate, layers, heads, kv heads): "
+               + "; ".join(f"{k}={v}" for k, v in sizes.items()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-size", default="0.5b", choices=list(sizes),
+                   help="0.5b: Qwen2-0.5B shape, 1b: Llama-3.2-1B shape, tiny/small: tests")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2"], help="transformers model class")
+    p.add_argument("--vocab-size", type=int, default=32000, help="embedding and LM head rows (>= 320)")
+    p.add_argument("--seqlens", default="8192,32768", help="context lengths (tokens per packed row); 'k' = 1024")
+    p.add_argument("--batch", type=int, default=1, help="packed rows per step")
+    p.add_argument("--methods", default=",".join(TRAIN_METHODS), help=f"comma list of {', '.join(TRAIN_METHODS)}")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (compilation, allocator)")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
+    p.add_argument("--dtype", default="bf16", choices=list(common.DTYPES), help="parameter and compute dtype")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--doc-len", default="128,4096",
+                   help="MIN,MAX document length (uniform); the last document of a row is cut to fill it")
+    p.add_argument("--loss", default="chunked", choices=["chunked", "full"],
+                   help="chunked: LM head + cross-entropy per --loss-chunk tokens, recomputed in backward (the "
+                        "[S, vocab] logits never exist whole); full: model(..., labels=...).loss")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per chunk of the chunked loss")
+    p.add_argument("--find-max", action="store_true",
+                   help="flashmask only: double the context from the largest --seqlens until a step fails")
+    p.add_argument("--max-seqlen", type=int, default=MAX_SEQLEN, help="upper bound of --find-max")
+    p.add_argument("--dense-mask", default="additive", choices=["additive", "bool"],
+                   help="sdpa_dense: the 4-D mask given to the model (bool: SDPA makes an additive copy per call)")
+    p.add_argument("--dense-mem-fraction", type=float, default=0.5,
+                   help="sdpa_dense runs only if its S^2 mask fits in this share of the free memory")
+    p.add_argument("--flex-mask", default="block_mask", choices=["block_mask", "position_ids"],
+                   help="flex: pass a BlockMask built from the library mask, or only position_ids (transformers "
+                        "builds the packed block mask inside the forward)")
+    p.add_argument("--flex-block-mask", default="compile", choices=["compile", "eager", "auto"],
+                   help="how create_block_mask runs for --flex-mask block_mask (eager materialises S x S)")
+    p.add_argument("--alloc-conf", default="expandable_segments:True",
+                   help="PYTORCH_CUDA_ALLOC_CONF for this run when the environment sets none ('' = the default "
+                        "allocator); expandable segments avoid fragmentation OOMs at long contexts")
+    p.add_argument("--out", default=None, help="folder for train.csv / train.json; default benchmarks/results/train")
+    p.add_argument("--seed", type=int, default=0, help="model init and data")
+    common.add_testing_args(p)
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.seqlens = common.parse_int_list(args.seqlens)
+        args.methods = common.parse_choice_list(args.methods, TRAIN_METHODS, "methods")
+        args.doc_len = common.parse_int_list(args.doc_len)
+    except ValueError as e:
+        parser.error(str(e))
+    if len(args.doc_len) != 2 or args.doc_len[0] > args.doc_len[1]:
+        parser.error(f"--doc-len takes MIN,MAX with MIN <= MAX, got {args.doc_len}")
+    for name in ("batch", "steps", "loss_chunk", "max_seqlen"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    min_vocab = example_utils.ByteTokenizer.vocab_size  # the model config's pad/bos/eos ids are 256-258
+    if args.vocab_size < min_vocab:
+        parser.error(f"--vocab-size must be >= {min_vocab}")
+    if args.warmup_steps < 0:
+        parser.error("--warmup-steps must be >= 0")
+    if args.flex_no_compile:
+        args.flex_block_mask = "eager"  # transformers compiles flex_attention itself in any case
+    if args.out is None:
+        args.out = common.default_out_dir("train")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+def synthetic_batches(num: int, batch: int, seqlen: int, vocab_size: int, doc_len, seed: int) -> List[dict]:
+    """``num`` batches of ``batch`` rows of exactly ``seqlen`` tokens: random ids, documents of
+    uniform random length in ``doc_len = (min, max)`` (the last one cut to fill the row), collated
+    by :class:`flashmask.data.PackedSFTCollator` (CPU tensors)."""
+    from flashmask.data import PackedSFTCollator
+    collate = PackedSFTCollator(seqlen, pad_token_id=0, packing="sequential", padding="max_length")
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = int(doc_len[0]), int(doc_len[1])
+    out = []
+    for _ in range(num):
+        rows = []
+        for _ in range(batch):
+            docs, used = [], 0
+            while used < seqlen:
+                n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), seqlen - used)
+                docs.append({"input_ids": torch.randint(0, vocab_size, (n,), generator=g)})
+                used += n
+            rows.append(docs)
+        out.append(collate.collate_rows(rows))
+    return out
+
+
+def data_stats(batches: List[dict]) -> dict:
+    """Mean documents per row and attended-pair density of the causal-document masks."""
+    from flashmask.data import MASK_KEY
+    docs, dens = [], []
+    for b in batches:
+        startend = b[MASK_KEY]
+        bsz, _, s, _ = startend.shape
+        docs.append(float((b["position_ids"] == 0).sum()) / bsz)
+        dens.append(common.total_pairs(startend, True, batch=bsz, heads=1, seqlen_q=s, seqlen_k=s) / (bsz * s * s))
+    return {"docs_per_row": statistics.mean(docs), "density": statistics.mean(dens)}
+
+
+# --------------------------------------------------------------------------------------------
+# Model, masks, loss, step
+# --------------------------------------------------------------------------------------------
+
+def build_model(args, method: str, seqlen: int, device: torch.device, dtype: torch.dtype):
+    """``example_utils.build_model`` (created directly on a CUDA device), in training mode."""
+    if method == "flashmask":
+        import flashmask.integrations.transformers as fm_hf  # registers the backend
+        assert fm_hf.ATTN_IMPLEMENTATION == ATTN_IMPLEMENTATION["flashmask"]
+    ctx = torch.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        model = example_utils.build_model(args.arch, args.model_size, attn_implementation=ATTN_IMPLEMENTATION[method],
+                                          max_length=seqlen, vocab_size=args.vocab_size, dtype=dtype, device=device,
+                                          seed=args.seed)
+    model.config.use_cache = False
+    if args.gradient_checkpointing:
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    model.train()
+    return model
+
+
+def check_method(method: str, args, model, seqlen: int, device: torch.device, dtype: torch.dtype) -> List[str]:
+    """Checks before building anything big; returns notes for the row. Raises :class:`common.Skip`
+    (an ``n/a`` row: the dense mask does not fit, no backward kernel) or ``RuntimeError``."""
+    cfg = model.config
+    notes = []
+    if method == "flashmask":
+        import flashmask
+        from flashmask import _checks
+        if args.flashmask_backend == "cuda":
+            if not flashmask.cuda.available():
+                raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
+            if not flashmask.cuda.has_backward():
+                raise common.Skip("n/a (no backward kernel)")
+            hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            q = torch.empty(1, 8, cfg.num_attention_heads, hd, dtype=dtype, device=device)
+            kv = torch.empty(1, 8, cfg.num_key_value_heads, hd, dtype=dtype, device=device)
+            reason = _checks.kernel_unsupported_reason(q, kv, kv)
+            if reason is not None:
+                raise RuntimeError(f"flashmask CUDA kernels cannot run this model: {reason}")
+        elif not (device.type == "cuda" and flashmask.cuda.available()):
+            notes.append("flashmask reference path")
+    elif method == "sdpa_dense":
+        fits, note = common.dense_fit(args.batch, 1, seqlen, seqlen, dtype, device, args.dense_mem_fraction,
+                                      additive=args.dense_mask == "additive")
+        if not fits:
+            raise common.Skip(note)
+        notes.append(f"{args.dense_mask} mask")
+    elif method == "flex":
+        from transformers.utils import is_torch_flex_attn_available
+        if not is_torch_flex_attn_available():
+            raise common.Skip("n/a (this torch/transformers has no flex_attention)")
+        h = cfg.num_attention_heads
+        if h & (h - 1):
+            notes.append(f"transformers repeats K/V for flex ({h} heads: not a power of 2)")
+        notes.append("BlockMask from position_ids (transformers)" if args.flex_mask == "position_ids"
+                     else f"BlockMask {args.flex_block_mask}")
+    return notes
+
+
+def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The mask arguments of the model for one batch (on ``device``), built as the method needs."""
+    from flashmask.data import MASK_KEY
+    startend = batch[MASK_KEY]
+    bsz, _, s, _ = startend.shape
+    if method == "flashmask":
+        return {MASK_KEY: startend}
+    if method == "sdpa_dense":
+        return {"attention_mask": common.dense_mask(startend, True, s,
+                                                    dtype=dtype if args.dense_mask == "additive" else torch.bool)}
+    if method == "flex":
+        if args.flex_mask == "position_ids":
+            return {}
+        mm = common.FLEX_MASK_MODS.get(startend, True, s, None)
+        bm, _ = common.build_block_mask(mm, None if bsz == 1 else bsz, None, s, s, device, args.flex_block_mask)
+        return {"attention_mask": bm}
+    raise ValueError(f"unknown method {method!r}; choose from {TRAIN_METHODS}")
+
+
+def check_hf_packed_block_mask(model, args, batch: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """``--flex-mask position_ids``: raise unless transformers' block mask from the restarting
+    position_ids equals (block by block, partial and full blocks) the one of the library mask."""
+    from transformers import masking_utils
+    pos = batch["position_ids"]
+    bsz, s = pos.shape
+    params = inspect.signature(masking_utils.create_causal_mask).parameters
+    kw = {"config": model.config, "attention_mask": None, "past_key_values": None, "position_ids": pos}
+    emb = torch.empty(bsz, s, 1, dtype=dtype, device=device)  # only its shape, dtype and device are read
+    kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = emb
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(s, device=device)
+    theirs = masking_utils.create_causal_mask(**kw)
+    ours = mask_inputs("flex", argparse.Namespace(**{**vars(args), "flex_mask": "block_mask"}), batch, device,
+                       dtype)["attention_mask"]
+    if theirs is None or not hasattr(theirs, "to_dense"):
+        raise RuntimeError(f"transformers made no BlockMask from position_ids (got {type(theirs).__name__})")
+
+    def blocks(bm):
+        full = bm.full_kv_num_blocks
+        return bm.to_dense().expand(bsz, -1, -1, -1), None if full is None else full.expand(bsz, -1, -1)
+
+    (a, fa), (b, fb) = blocks(theirs), blocks(ours)
+    if not torch.equal(a.bool(), b.bool()) or (fa is not None and fb is not None and not torch.equal(fa, fb)):
+        raise RuntimeError("transformers' block mask from position_ids differs from the packed-document mask")
+
+
+def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The causal-LM loss of transformers (labels shifted inside, mean over labels != -100, logits
+    in float32), computed ``chunk`` tokens at a time with the logits recomputed in backward."""
+    from torch.utils.checkpoint import checkpoint
+    y = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(_ce_sum, h[i:i + chunk], head.weight, head.bias, y[i:i + chunk],
+                                   use_reentrant=False)
+    return total / (y != -100).sum().clamp_min(1)
+
+
+def train_step(model, opt, batch: dict, mask_kw: dict, args) -> torch.Tensor:
+    inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **mask_kw)
+    if args.loss == "full":
+        loss = model(labels=batch["labels"], **inputs).loss
+    else:
+        hidden = model.get_decoder()(**inputs).last_hidden_state
+        loss = chunked_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], args.loss_chunk)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+
+def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.device, dtype: torch.dtype,
+            where: dict) -> dict:
+    """Train ``method`` on ``batches`` (warmup + timed); returns the measured fields. ``where['stage']``
+    says how far it got (for the message of an exception)."""
+    sync = common.sync
+    where["stage"] = "model"
+    model = build_model(args, method, seqlen, device, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    where["params"] = params
+    notes = check_method(method, args, model, seqlen, device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if method == "flex" and args.flex_mask == "position_ids":
+        where["stage"] = "checking transformers' block mask"
+        check_hf_packed_block_mask(model, args, {k: v.to(device) for k, v in batches[0].items()}, device, dtype)
+        notes.append("checked against the library mask")
+    times, mask_times, losses = [], [], []
+    first_step_s = None
+    with warnings.catch_warnings():
+        if method == "flashmask" and args.flashmask_backend == "cuda":
+            # No silent reference path on a GPU: its warning becomes an error. flashmask warns once per
+            # reason and process, so forget the reasons already given (by an earlier run of this process).
+            getattr(sys.modules.get("flashmask.attention"), "_warned", set()).clear()
+            warnings.filterwarnings("error", message=_FALLBACK_WARNING)
+        for i, cpu_batch in enumerate(batches):
+            timed = i >= args.warmup_steps
+            label = f"step {i + 1}/{len(batches)}" + ("" if timed else " (warmup)")
+            where["stage"] = label
+            if i == args.warmup_steps:
+                common.reset_peak(device)
+            batch = {k: v.to(device) for k, v in cpu_batch.items()}
+            sync(device)
+            t0 = time.perf_counter()
+            mask_kw = mask_inputs(method, args, batch, device, dtype)
+            sync(device)
+            t1 = time.perf_counter()
+            loss = float(train_step(model, opt, batch, mask_kw, args))
+            sync(device)
+            t2 = time.perf_counter()
+            batch = mask_kw = None  # free this step's mask before the next one is built
+            losses.append(loss)
+            if i == 0:
+                first_step_s = t2 - t0
+            if timed:
+                times.append(t2 - t0)
+                mask_times.append(t1 - t0)
+            print(f"    {label:18s} {(t2 - t0) * 1e3:10.1f} ms  (mask {(t1 - t0) * 1e3:.1f} ms)  loss {loss:.4f}",
+                  flush=True)
+    peak = common.peak_since(device, 0)
+    del model, opt
+    tokens = args.batch * seqlen
+    return {"params": params, "tokens_per_s": tokens * len(times) / sum(times),
+            "ms_per_step": 1e3 * statistics.mean(times), "ms_min": 1e3 * min(times),
+            "mask_ms": 1e3 * statistics.mean(mask_times), "peak_mem_bytes": peak,
+            "peak_mem_gib": None if peak is None else peak / 2 ** 30, "first_step_s": first_step_s,
+            "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
+            "step_ms": [1e3 * t for t in times], "notes": "; ".join(notes)}
+
+
+def try_run(method: str, seqlen: int, batches: List[dict], stats: dict, args, device, dtype,
+            find_max: bool = False) -> dict:
+    """One row; never raises. An OOM, a mask that does not fit or any error becomes the row's status."""
+    row = {"model": f"{args.arch}-{args.model_size}", "seqlen": seqlen, "batch": args.batch, "method": method,
+           "attn_implementation": ATTN_IMPLEMENTATION[method], "find_max": find_max, **stats}
+    where = {"stage": "setup"}
+    fatal = False
+    try:
+        row.update(run_one(method, seqlen, batches, args, device, dtype, where), status="ok")
+    except common.Skip as e:
+        row.update(status="n/a", notes=str(e))
+    except Exception as e:
+        row.update(status=common.status_of(e), notes=f"{where['stage']}: {common.format_error(e)}")
+        fatal = common.is_fatal_cuda_error(e)
+    row.setdefault("params", where.get("params"))
+    row["fatal"] = fatal
+    common.cleanup()  # the model, optimizer and masks of this run are gone: free the cache for the next
+    return row
+
+
+def _progress(r: dict) -> None:
+    what = f"{common.fmt_len(r['seqlen']):>5s} {r['method']:10s}" + (" [find-max]" if r.get("find_max") else "")
+    if r["status"] == "ok":
+        peak = "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.2f} GiB"
+        res = (f"{r['tokens_per_s']:10.0f} tok/s {r['ms_per_step']:9.1f} ms/step  peak {peak}  "
+               f"first step {r['first_step_s']:.1f} s")
+    else:
+        res = r["status"]
+    notes = f"  [{r['notes']}]" if r.get("notes") else ""
+    print(f"  -> {what} {res}{notes}", flush=True)
+
+
+def summary_table(rows: List[dict]) -> str:
+    """One line per (S, method): tokens/s, ms/step, mask ms, peak GiB, first-step loss, and how many
+    times faster flashmask trains (its tokens/s over the method's)."""
+    fm = {r["seqlen"]: r for r in rows if r["method"] == "flashmask" and r["status"] == "ok"}
+    table = []
+    for r in rows:
+        ref = fm.get(r["seqlen"])
+        speed = "-"
+        if r["method"] != "flashmask" and ref is not None and r["status"] == "ok":
+            speed = f"{ref['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+        table.append([common.fmt_len(r["seqlen"]), r["method"] + (" *" if r.get("find_max") else ""),
+                      common.table_cell(r, "tokens_per_s", "{:,.0f}"), common.table_cell(r, "ms_per_step", "{:.1f}"),
+                      common.table_cell(r, "mask_ms", "{:.1f}"), common.table_cell(r, "peak_mem_gib", "{:.2f}"),
+                      common.table_cell(r, "loss_first", "{:.4f}"), speed, common.shorten(r.get("notes"))])
+    headers = ["S", "method", "tok/s", "ms/step", "mask ms", "peak GiB", "loss0", "fm speedup", "notes"]
+    return common.format_table(headers, table, align="rlrrrrrrl")
+
+
+def find_max(rows: List[dict], args, device, dtype, add) -> dict:
+    """Double the flashmask context from the largest --seqlens until a step fails or --max-seqlen is
+    passed. Returns ``{"longest_seqlen", "stopped"}``."""
+    top = max(args.seqlens)
+    ok = [r["seqlen"] for r in rows if r["method"] == "flashmask" and r["status"] == "ok"]
+    tried_top = any(r["method"] == "flashmask" and r["seqlen"] == top for r in rows)
+    longest = max(ok) if ok else None
+    if tried_top and top not in ok:
+        return {"longest_seqlen": longest, "stopped": f"{common.fmt_len(top)} did not train"}
+    s = top * 2 if tried_top else top
+    while s <= args.max_seqlen:
+        print(f"== find-max: flashmask at S={common.fmt_len(s)}", flush=True)
+        batches = synthetic_batches(args.warmup_steps + args.steps, args.batch, s, args.vocab_size, args.doc_len,
+                                    args.seed + s)
+        row = try_run("flashmask", s, batches, data_stats(batches), args, device, dtype, find_max=True)
+        batches = None
+        add(row)
+        if row["status"] != "ok":
+            return {"longest_seqlen": longest, "stopped": f"{common.fmt_len(s)}: {row['status']}"}
+        longest = s
+        s *= 2
+    return {"longest_seqlen": longest, "stopped": f"bound --max-seqlen {common.fmt_len(args.max_seqlen)} reached"}
+
+
+def run(args) -> list:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_train.py: no CUDA device is available (use --device cpu for a smoke run)")
+    dtype = common.DTYPES[args.dtype]
+    alloc_env = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    if device.type == "cuda" and args.alloc_conf and not any(os.environ.get(k) for k in alloc_env) \
+            and not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf  # read when the allocator starts
+    if "flex" in args.methods:
+        common.configure_dynamo()
+    meta = {"script": "bench_train", "args": dict(vars(args)), "env": common.environment(device),
+            "model_size": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads"),
+                                   example_utils.MODEL_SIZES[args.model_size]))}
+    try:
+        import transformers
+        meta["env"]["transformers"] = transformers.__version__
+    except ImportError as e:
+        raise SystemExit(f"bench_train.py needs transformers: {e}")
+    env = meta["env"]
+    env.update({k: os.environ[k] for k in alloc_env if k in os.environ})
+    if device.type == "cuda":
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    print(f"device {env.get('gpu', device)} | torch {env['torch']} | transformers {env['transformers']} | "
+          f"flashmask kernels {env.get('flashmask_kernels')} | {args.arch}-{args.model_size} {args.dtype} "
+          f"vocab {args.vocab_size} | batch {args.batch} | docs {args.doc_len[0]}-{args.doc_len[1]} tokens | "
+          f"{args.warmup_steps} warmup + {args.steps} timed steps | loss {args.loss}"
+          + (" | gradient checkpointing" if args.gradient_checkpointing else ""), flush=True)
+
+    rows: list = []
+    fatal = None
+    t_start = time.perf_counter()
+
+    def add(row):
+        nonlocal fatal
+        if row.pop("fatal", False):
+            fatal = row["notes"]
+        rows.append(row)
+        _progress(row)
+        common.write_results(args.out, "train", rows, FIELDS, meta)  # partial results survive a crash
+
+    for s in args.seqlens:
+        if fatal:
+            break
+        batches = synthetic_batches(args.warmup_steps + args.steps, args.batch, s, args.vocab_size, args.doc_len,
+                                    args.seed + s)
+        stats = data_stats(batches)
+        print(f"== S={common.fmt_len(s)}: {stats['docs_per_row']:.1f} documents per row, "
+              f"density {stats['density']:.4f}", flush=True)
+        for method in args.methods:
+            if fatal:
+                break
+            print(f"  {method} (attn_implementation={ATTN_IMPLEMENTATION[method]})", flush=True)
+            add(try_run(method, s, batches, stats, args, device, dtype))
+        batches = None
+    if args.find_max and not fatal:
+        meta["find_max"] = find_max(rows, args, device, dtype, add)
+    if fatal:
+        print(f"\nstopped early: the CUDA context is unusable after: {fatal}", flush=True)
+        meta["stopped_early"] = fatal
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    csv_path, json_path = common.write_results(args.out, "train", rows, FIELDS, meta)
+    print()
+    print(summary_table(rows))
+    if "find_max" in meta:
+        fm = meta["find_max"]
+        longest = "none" if fm["longest_seqlen"] is None else f"{common.fmt_len(fm['longest_seqlen'])} tokens"
+        print(f"\nlongest context trained with flashmask (* rows): {longest} ({fm['stopped']})")
+    print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

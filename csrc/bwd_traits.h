@@ -5,7 +5,8 @@
 namespace flashmask {
 
 template <int kHeadDim_, typename Element_>
-struct BwdTraits {
+struct BwdTraits : TileCopies<kHeadDim_, Element_, bwd_tile(kHeadDim_).warps * 32> {
+    using Base = TileCopies<kHeadDim_, Element_, bwd_tile(kHeadDim_).warps * 32>;
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = bwd_tile(kHeadDim).block_m;
@@ -25,13 +26,8 @@ struct BwdTraits {
     using TiledMmaQ = cute::TiledMMA<Atom, cute::Layout<cute::Shape<cute::Int<kWarpsMQ>, cute::Int<kNWarps / kWarpsMQ>, cute::_1>>,
                                      cute::Tile<cute::Int<16 * kWarpsMQ>, cute::Int<16 * kNWarps / kWarpsMQ>, cute::_16>>;
 
-    static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
-    static constexpr int kSwizzleBits = kBlockKSmem == 64 ? 3 : 2;
-    using SmemLayoutAtom = decltype(cute::composition(
-        cute::Swizzle<kSwizzleBits, 3, 3>{},
-        cute::Layout<cute::Shape<cute::_8, cute::Int<kBlockKSmem>>, cute::Stride<cute::Int<kBlockKSmem>, cute::_1>>{}));
-    using SmemLayoutQ = decltype(cute::tile_to_shape(SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(cute::tile_to_shape(SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutQ = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
     // Transposed views: Q^T and dO^T (B operands of dK, dV), K^T (B operand of dQ).
     using SmemLayoutQt = decltype(cute::composition(
         SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
@@ -43,21 +39,6 @@ struct BwdTraits {
     using SmemLayoutPdS = decltype(cute::tile_to_shape(SmemLayoutAtomPdS{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
     using SmemLayoutPdSt = decltype(cute::composition(
         SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
-
-    using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
-    using SmemCopyAtomTransposed = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
-    using SmemCopyAtomC = cute::Copy_Atom<cute::UniversalCopy<uint32_t>, Element>;
-
-    static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
-    static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-    using GmemLayoutAtom = cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
-                                        cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
-    using GmemTiledCopy = decltype(cute::make_tiled_copy(
-        cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-        cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
-    using GmemTiledCopyOut = decltype(cute::make_tiled_copy(
-        cute::Copy_Atom<cute::UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-        cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
 
     static constexpr int kSmemQBytes = int(cute::cosize_v<SmemLayoutQ>) * int(sizeof(Element));
     static constexpr int kSmemKVBytes = int(cute::cosize_v<SmemLayoutKV>) * int(sizeof(Element));

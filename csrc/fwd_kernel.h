@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     // Q*K^T before the loop's final barrier) so that the global stores are 16-byte and coalesced.
     Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
     Tensor gO = make_tensor(make_gmem_ptr(o_ptr + r0 * p.o_row_stride), TileQ{}, make_stride(p.o_row_stride, _1{}));
-    store_tile<typename Traits::SmemCopyAtomO, typename Traits::GmemTiledCopyO, Element>(acc_o, tiled_mma, sO, gO,
+    store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_o, tiled_mma, sO, gO,
                                                                                       r1 - r0, p.d, tidx);
     if (tidx % 4 == 0) {
         CUTE_UNROLL

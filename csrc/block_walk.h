@@ -134,7 +134,7 @@ struct KeyBlockWalk {
 // one interval masks for every column of the block.
 template <int kBlockM, int kBlockN, bool Is_causal, bool Has_mask>
 struct QueryBlockWalk {
-    BlockBounds bnd;  // this key block's bounds (unused without a mask)
+    const int* bnd;  // this key block's 8 bounds (unused without a mask)
     int c0, sq, sk, causal_offset, m_end;
 
     __device__ int begin() const {
@@ -147,10 +147,10 @@ struct QueryBlockWalk {
         if (Has_mask) {
             while (m < m_end) {
                 const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
-                if (r0 >= bnd.v[kLtsMax] && r1 <= bnd.v[kLteMin]) {
-                    m = max(m + 1, bnd.v[kLteMin] / kBlockM);
-                } else if (r0 >= bnd.v[kUtsMax] && r1 <= bnd.v[kUteMin]) {
-                    m = max(m + 1, bnd.v[kUteMin] / kBlockM);
+                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
+                    m = max(m + 1, bnd[kLteMin] / kBlockM);
+                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
+                    m = max(m + 1, bnd[kUteMin] / kBlockM);
                 } else {
                     break;
                 }
@@ -160,7 +160,7 @@ struct QueryBlockWalk {
     }
     __device__ TileCompare compare(int m) const {
         const int r0 = m * kBlockM;
-        return tile_compare(Has_mask ? bnd.v : nullptr, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal,
+        return tile_compare(Has_mask ? bnd : nullptr, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal,
                             causal_offset);
     }
 };

@@ -3,13 +3,15 @@
 // bwd_kv_kernel: one CTA per (key block, query head, batch) holds K, V and the dK, dV accumulators
 // and walks the query blocks that can see its keys: the causal bound and the block's interval
 // bounds trim the range, and runs of query blocks that one interval masks entirely are jumped.
-// P is recomputed from the saved LSE. dQ is either accumulated across CTAs with fp32 atomics, or
+// P is recomputed from the saved LSE. dQ is either accumulated across CTAs with fp32 atomics (then
+// scaled and cast by dq_convert_kernel), or
 // (deterministic) left to bwd_dq_kernel, which walks key blocks per query tile in a fixed order.
 #pragma once
 #include <cute/tensor.hpp>
 
 #include "block_walk.h"
 #include "bwd_traits.h"
+#include "dq_accum.h"
 #include "mask_bounds.h"
 #include "params.h"
 #include "tile_ops.h"
@@ -37,12 +39,13 @@ __global__ void bwd_dsum_kernel(const Element* __restrict__ dout, const Element*
     if (lane == 0) dsum[row] = acc - (dlse != nullptr ? dlse[row] : 0.f);
 }
 
-// The LSE (in log2 units) and D of the rows a thread holds in a score tile; rows past the end of
-// the queries get LSE = +inf (so P = 0). Loaded before the GEMMs that precede their use.
+// The LSE (in log2 units) and D of the rows a thread holds in a score tile, in registers; rows
+// past the end of the queries get LSE = +inf (so P = 0). Loaded before the GEMMs that precede
+// their use.
 template <int kRows>
 struct RowStats {
-    float lse_log2[kRows];
-    float dsum[kRows];
+    float lse_log2_[kRows];
+    float dsum_[kRows];
 
     template <typename Coords>
     __forceinline__ __device__ RowStats(Coords const& coords, const float* lse, const float* d, int r0, int sq) {
@@ -50,28 +53,48 @@ struct RowStats {
         for (int mi = 0; mi < kRows; ++mi) {
             const int row = r0 + get<0>(coords(mi, 0));
             const bool in = row < sq;
-            lse_log2[mi] = in ? lse[row] * float(M_LOG2E) : INFINITY;
-            dsum[mi] = in ? d[row] : 0.f;
+            lse_log2_[mi] = in ? lse[row] * float(M_LOG2E) : INFINITY;
+            dsum_[mi] = in ? d[row] : 0.f;
         }
     }
+    __forceinline__ __device__ float lse_log2(int mi) const { return lse_log2_[mi]; }
+    __forceinline__ __device__ float dsum(int mi) const { return dsum_[mi]; }
 };
 
-// P = exp(S * scale - LSE) and dS = P * (dP - D) on the (rows, cols) views of a tile.
-template <typename S, typename DP, int kRows>
-__forceinline__ __device__ void probs_and_dscores(S& s, DP& dp, RowStats<kRows> const& rows, float scale_log2) {
+// The same, read at each use from a query block's rows staged in shared memory (LSE at
+// [0, BlockM), D at [BlockM, 2 BlockM)): the key-block walk cannot spare the registers.
+template <int kBlockM, typename Coords>
+struct SmemRowStats {
+    const float* rows;
+    Coords const& coords;
+    __forceinline__ __device__ float lse_log2(int mi) const { return rows[get<0>(coords(mi, 0))] * float(M_LOG2E); }
+    __forceinline__ __device__ float dsum(int mi) const { return rows[kBlockM + get<0>(coords(mi, 0))]; }
+};
+
+// P = exp(S * scale - LSE), in place on the (rows, cols) view of a score tile.
+template <typename S, typename Rows>
+__forceinline__ __device__ void probs(S& s, Rows const& rows, float scale_log2) {
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(s); ++mi) {
+        const float lse = rows.lse_log2(mi);
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) {
-            const float pr = exp2f(s(mi, ni) * scale_log2 - rows.lse_log2[mi]);
-            s(mi, ni) = pr;
-            dp(mi, ni) = pr * (dp(mi, ni) - rows.dsum[mi]);
-        }
+        for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - lse);
     }
 }
 
-// dQ is accumulated with atomics when p.dq_accum is set (a uniform branch: one instantiation serves
-// both modes).
+// dS = P * (dP - D), in place on dP.
+template <typename DP, typename P, typename Rows>
+__forceinline__ __device__ void dscores(DP& dp, P const& pr, Rows const& rows) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(dp); ++mi) {
+        const float d = rows.dsum(mi);
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = pr(mi, ni) * (dp(mi, ni) - d);
+    }
+}
+
+// dQ is accumulated with atomics (dq_accum.h) when p.dq_accum is set (a uniform branch: one
+// instantiation serves both modes).
 template <typename Traits, bool Is_causal, int kMaskC>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdParams p) {
     using Element = typename Traits::Element;
@@ -85,22 +108,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
 
     extern __shared__ __align__(128) char smem[];
     const int tidx = threadIdx.x;
-    const int n_block = blockIdx.x;
-    const int h = blockIdx.y;
+    // Heads vary fastest, so the CTAs in flight hold the same key blocks of every head: with a
+    // causal mask the low key blocks, which see the most queries, all start first (longest job
+    // first), and the short ones fill the tail.
+    const int h = blockIdx.x;
+    const int n_block = blockIdx.y;
     const int b = blockIdx.z;
     const int kv_h = h / p.q_per_kv_head;
     const int c0 = n_block * kBlockN;
     const int m_end = (p.sq + kBlockM - 1) / kBlockM;
     const int causal_offset = p.sk - p.sq;
-
-    BlockBounds bnd{};
-    const int* mask_cols = nullptr;
-    if (Has_mask) {
-        const int64_t mh = int64_t(b) * p.hm + h / p.q_per_mask_head;
-        bnd = load_bounds(p.bounds + (mh * p.n_key_blocks + n_block) * kNumBounds);
-        mask_cols = p.mask + mh * p.sk * p.mask_c;
-    }
-    QueryBlockWalk<kBlockM, kBlockN, Is_causal, Has_mask> walk{bnd, c0, p.sq, p.sk, causal_offset, m_end};
 
     Element* smem_k = reinterpret_cast<Element*>(smem);
     Element* smem_v = smem_k + cosize_v<typename Traits::SmemLayoutKV>;
@@ -109,6 +126,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     Element* smem_p = smem_do + Traits::kQStages * cosize_v<typename Traits::SmemLayoutQ>;
     Element* smem_ds = smem_p + cosize_v<typename Traits::SmemLayoutPdS>;
     int* smem_mask = reinterpret_cast<int*>(smem_ds + cosize_v<typename Traits::SmemLayoutPdS>);
+    int* smem_bounds = smem_mask + 4 * kBlockN;
+    float* smem_rows = reinterpret_cast<float*>(smem_bounds + kNumBounds);
+
+    // The key block's bounds are read from shared memory at each use: held in registers for the
+    // whole walk they pushed the GEMMs' accumulators into spills.
+    const int* mask_cols = nullptr;
+    if (Has_mask) {
+        const int64_t mh = int64_t(b) * p.hm + h / p.q_per_mask_head;
+        if (tidx < kNumBounds) smem_bounds[tidx] = p.bounds[(mh * p.n_key_blocks + n_block) * kNumBounds + tidx];
+        mask_cols = p.mask + mh * p.sk * p.mask_c;
+        __syncthreads();
+    }
+    const QueryBlockWalk<kBlockM, kBlockN, Is_causal, Has_mask> walk{smem_bounds, c0, p.sq, p.sk, causal_offset, m_end};
     Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
     Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
@@ -156,6 +186,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             copy_zfill(gmem_copy, gmem_thr.partition_S(gQ_at(do_ptr, p.do_row_stride, m)),
                        gmem_thr.partition_D(sQ_at(smem_do, stage)), tQc, rows, p.d);
         };
+        // LSE and D of query block m (single-buffered: loaded once the previous block's are used).
+        auto load_rows = [&](int m) {
+            static_assert(2 * kBlockM <= Traits::kNThreads);
+            if (tidx < 2 * kBlockM) {
+                const int row = m * kBlockM + tidx % kBlockM;
+                const bool is_d = tidx >= kBlockM;
+                if (row < p.sq) cp_async_4(smem_rows + tidx, (is_d ? dsum : lse) + row, true);
+                else smem_rows[tidx] = is_d ? 0.f : INFINITY;  // P = 0 on rows past the end
+            }
+        };
         const int n_valid = p.sk - c0;
         copy_zfill(gmem_copy, gmem_thr.partition_S(make_tensor(make_gmem_ptr(k_ptr), TileKV{}, make_stride(p.k_row_stride, _1{}))),
                    gmem_thr.partition_D(sK), tKVc, n_valid, p.d);
@@ -163,6 +203,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
                    gmem_thr.partition_D(sV), tKVc, n_valid, p.d);
         if (Has_mask) stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask_cols, c0, p.sk, tidx);
         load_q_do(m_block, 0);
+        load_rows(m_block);
         cp_async_fence();
 
         // Shared -> register copies of every operand.
@@ -195,8 +236,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
         Tensor tPsP = thr_c.partition_D(sP);
         Tensor tPsdS = thr_c.partition_D(sdS);
         Tensor cS = rowcol(thr_sdp.partition_C(make_identity_tensor(TileS{})));
-        constexpr int kRows = decltype(size<0>(cS))::value;
-        Tensor cdQ = thr_q.partition_C(make_identity_tensor(TileQ{}));
+        const SmemRowStats<kBlockM, decltype(cS)> rows{smem_rows, cS};
 
         int stage = 0;
         while (m_block < m_end) {
@@ -214,46 +254,45 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
             Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
 
-            const RowStats<kRows> rows(cS, lse, dsum, r0, p.sq);
             Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
-            Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
             clear(acc_s);
-            clear(acc_dp);
             Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
             gemm_ss(acc_s, tSrQ, tSrK, thr_sdp_a.partition_S(sQ), tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+            Tensor s_rc = rowcol(acc_s);
+            if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, causal_offset, smem_mask);
+            probs(s_rc, rows, p.scale_log2);
+            // P's shared-memory store drains while dP = dO V^T computes.
+            Tensor rP = convert_to<Element>(acc_s);
+            copy(copy_c, thr_c.retile_S(rP), tPsP);
+
+            Tensor acc_dp = partition_fragment_C(mma_sdp, TileS{});
+            clear(acc_dp);
             Tensor tSrdO = thr_sdp.partition_fragment_A(sdO);
             gemm_ss(acc_dp, tSrdO, tSrV, thr_sdp_a.partition_S(sdO), tSsV, mma_sdp, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
-
-            Tensor s_rc = rowcol(acc_s);
             Tensor dp_rc = rowcol(acc_dp);
-            if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, causal_offset, smem_mask);
-            probs_and_dscores(s_rc, dp_rc, rows, p.scale_log2);
-            Tensor rP = convert_to<Element>(acc_s);
+            dscores(dp_rc, s_rc, rows);
             Tensor rdS = convert_to<Element>(acc_dp);
-            copy(copy_c, thr_c.retile_S(rP), tPsP);
             copy(copy_c, thr_c.retile_S(rdS), tPsdS);
-            __syncthreads();  // P and dS are in shared memory
+            __syncthreads();  // P and dS are in shared memory; the rows are used
+            if (m_next < m_end) {
+                load_rows(m_next);
+                cp_async_fence();
+            }
 
             Tensor tKVsdOt = thr_kv_b.partition_S(sdOt);
             Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
             gemm_ss(acc_dv, tKVrA, tKVrdOt, tKVsPt, tKVsdOt, mma_kv, copy_kv_a, copy_kv_b, thr_kv_a, thr_kv_b);
-            Tensor tKVsQt = thr_kv_b.partition_S(sQt);
-            Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
-            gemm_ss(acc_dk, tKVrA, tKVrQt, tKVsdSt, tKVsQt, mma_kv, copy_kv_a, copy_kv_b, thr_kv_a, thr_kv_b);
-
+            // dQ before dK, so that its atomics are in flight during the dK GEMM.
             if (p.dq_accum != nullptr) {
                 Tensor acc_dq = partition_fragment_C(mma_q, TileQ{});
                 clear(acc_dq);
                 gemm_ss(acc_dq, tQrdS, tQrKt, tQsdS, tQsKt, mma_q, copy_q_a, copy_q_b, thr_q_a, thr_q_b);
-                float* dq_rows = p.dq_accum + ((int64_t(b) * p.sq + r0) * p.hq + h) * p.d;
-                const int64_t dq_row_stride = int64_t(p.hq) * p.d;
-                CUTE_UNROLL
-                for (int i = 0; i < size(acc_dq); ++i) {
-                    const int row = get<0>(cdQ(i));
-                    const int col = get<1>(cdQ(i));
-                    if (r0 + row < p.sq && col < p.d) atomicAdd(dq_rows + row * dq_row_stride + col, acc_dq(i));
-                }
+                atomic_add_tile<Traits::kNThreads>(dq_accum_tile<Traits>(p, b, h, m_block), acc_dq, tidx);
             }
+            Tensor tKVsQt = thr_kv_b.partition_S(sQt);
+            Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+            gemm_ss(acc_dk, tKVrA, tKVrQt, tKVsdSt, tKVsQt, mma_kv, copy_kv_a, copy_kv_b, thr_kv_a, thr_kv_b);
+
             if (Traits::kQStages == 1 && m_next < m_end) {
                 __syncthreads();  // everyone is done with Q and dO
                 load_q_do(m_next, 0);
@@ -402,7 +441,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
             Tensor s_rc = rowcol(acc_s);
             Tensor dp_rc = rowcol(acc_dp);
             if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, walk.causal_offset, smem_mask);
-            probs_and_dscores(s_rc, dp_rc, rows, p.scale_log2);
+            probs(s_rc, rows, p.scale_log2);
+            dscores(dp_rc, s_rc, rows);
             Tensor rdS = convert_to<Element>(acc_dp);
             copy(copy_c, thr_c.retile_S(rdS), tPsdS);
             __syncthreads();  // dS is in shared memory

@@ -8,15 +8,19 @@
 
 namespace flashmask {
 
-// dK, dV, and dQ by atomics when p.dq_accum is set.
+// dK, dV, and, when p.dq_accum is set, dQ by atomics into it and then into p.dq.
 template <int kHeadDim, typename Element>
 void run_bwd_kv(const BwdParams& p, cudaStream_t stream) {
     using Traits = BwdTraits<kHeadDim, Element>;
-    const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN, p.hq, p.b);
+    const dim3 grid(p.hq, (p.sk + Traits::kBlockN - 1) / Traits::kBlockN, p.b);
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         launch_with_smem(&bwd_kv_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,
                          Traits::kNThreads, Traits::kSmemBytes, p, stream);
     });
+    if (p.dq_accum != nullptr) {
+        const dim3 grid_q((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
+        launch_with_smem(&dq_convert_kernel<Traits>, grid_q, Traits::kNThreads, Traits::kSmemQBytes, p, stream);
+    }
 }
 
 // Deterministic dQ (written to p.dq), after run_bwd_kv without atomics.

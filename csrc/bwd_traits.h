@@ -43,7 +43,9 @@ struct BwdTraits : TileCopies<kHeadDim_, Element_, bwd_tile(kHeadDim_).warps * 3
     static constexpr int kSmemQBytes = int(cute::cosize_v<SmemLayoutQ>) * int(sizeof(Element));
     static constexpr int kSmemKVBytes = int(cute::cosize_v<SmemLayoutKV>) * int(sizeof(Element));
     static constexpr int kSmemPBytes = int(cute::cosize_v<SmemLayoutPdS>) * int(sizeof(Element));
-    static constexpr int kSmemMaskBytes = 4 * kBlockN * int(sizeof(int));
+    // The raw mask columns of the key block (C <= 4 per key), its 8 bounds, and the LSE and D of
+    // the query block's rows.
+    static constexpr int kSmemMaskBytes = (4 * kBlockN + 8 + 2 * kBlockM) * int(sizeof(int));
     // Q and dO are double-buffered (the next query block loads during this one) where that fits
     // the 163 KB an SM80 CTA may use.
     static constexpr int kSmemSingle = 2 * kSmemQBytes + 2 * kSmemKVBytes + 2 * kSmemPBytes + kSmemMaskBytes;

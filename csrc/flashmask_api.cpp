@@ -283,6 +283,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
     }
     const int head_dim = kernel_head_dim(d);
+    TORCH_CHECK((sk + bwd_tile(head_dim).block_n - 1) / bwd_tile(head_dim).block_n <= 65535,
+                "flashmask: the backward supports at most ", 65535 * bwd_tile(head_dim).block_n, " keys, got ", sk);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     at::Tensor mask, bounds;
@@ -307,18 +309,17 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     p.dv = dv_h.data_ptr();
     set_strides(dk_h, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
     set_strides(dv_h, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+    p.dq = dq.data_ptr();
+    set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
     at::Tensor dq_accum;
-    if (deterministic) {
-        p.dq = dq.data_ptr();
-        set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
-    } else {
-        dq_accum = at::zeros({b, sq, hq, d}, q.options().dtype(at::kFloat));
+    if (!deterministic) {
+        const int block_m = bwd_tile(head_dim).block_m;
+        dq_accum = at::zeros({b, hq, (sq + block_m - 1) / block_m, block_m * head_dim}, q.options().dtype(at::kFloat));
         p.dq_accum = dq_accum.data_ptr<float>();
     }
     const Kernels kernels = kernels_for(head_dim, q.scalar_type());
     kernels.bwd_kv(p, stream);
     if (deterministic) kernels.bwd_dq(p, stream);
-    if (!deterministic) dq.copy_(dq_accum.mul_(softmax_scale));
     if (expand) {
         dk.copy_(dk_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
         dv.copy_(dv_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));

@@ -44,13 +44,13 @@ struct BwdParams : AttnParams {
     const void* dout;  // [B, Sq, Hq, D], last dim contiguous
     int64_t do_batch_stride, do_row_stride, do_head_stride;
     const float* dsum;  // [B, Hq, Sq]
-    float* dq_accum;    // [B, Sq, Hq, D] float32, contiguous, zeroed: dS*K summed over key blocks
+    float* dq_accum;    // zeroed float32 [B, Hq, query blocks, BlockM * head dim] (dq_accum.h): dS*K over key blocks
     // dK, dV [B, Sk, Hq, D]: one slice per query head (a GQA group is summed afterwards).
     void* dk;
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    void* dq;  // [B, Sq, Hq, D]: written directly by the deterministic dQ kernel
+    void* dq;  // [B, Sq, Hq, D]
     int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
 };
 

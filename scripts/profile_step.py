@@ -1,0 +1,65 @@
+"""A few flashmask forward+backward steps on one mask family, for a profiler to catch; --time
+prints their median time instead (triton's do_bench).
+
+    ncu --kernel-name regex:bwd_kv_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
+        python3 scripts/profile_step.py --family causal --seqlen 32768
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flashmask  # noqa: E402
+from masks.examples import example  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--family", default="causal")
+parser.add_argument("--seqlen", type=int, default=32768)
+parser.add_argument("--heads", type=int, default=16)
+parser.add_argument("--head-dim", type=int, default=128)
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--deterministic", action="store_true")
+parser.add_argument("--no-mask", action="store_true", help="pass no mask tensor (causal or full only)")
+parser.add_argument("--time", action="store_true")
+parser.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd", help="what --time times")
+args = parser.parse_args()
+
+torch.manual_seed(0)
+shape = (1, args.seqlen, args.heads, args.head_dim)
+q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+mask, causal = example(args.family, args.seqlen, device="cuda")
+if args.no_mask:
+    if args.family not in ("causal", "full"):
+        parser.error("--no-mask needs --family causal or full")
+    mask = None
+grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+
+def forward():
+    return flashmask.flashmask_attention(q, k, v, mask, causal=causal, deterministic=args.deterministic, backend="cuda")
+
+
+def step():
+    torch.autograd.grad(forward(), (q, k, v), grad)
+
+
+label = f"{args.family}{' (no mask tensor)' if args.no_mask else ''} at {args.seqlen}"
+if args.time:
+    from triton.testing import do_bench
+    if args.mode == "fwd":
+        with torch.no_grad():
+            ms = do_bench(forward, warmup=50, rep=300, return_mode="median")
+    elif args.mode == "bwd":
+        out = forward()
+        ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), warmup=50, rep=300,
+                      return_mode="median")
+    else:
+        ms = do_bench(step, warmup=50, rep=300, return_mode="median")
+    print(f"{label}: {args.mode} {ms:.3f} ms")
+else:
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    print(f"{args.steps} steps of {label}: done")

@@ -135,7 +135,7 @@ def _ratio(num, den) -> str:
 
 
 def plot_families(rows, out_dir: str):
-    """``out_dir/<family>.png``: TFLOP/s per method, grouped by seqlen (one panel per mode)."""
+    """``out_dir/<family>.png``: TFLOP/s per method, grouped by seqlen (one panel per mode, stacked)."""
     plt = common.pyplot()
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -146,10 +146,10 @@ def plot_families(rows, out_dir: str):
         methods = list(OrderedDict.fromkeys(r["method"] for r in fr))
         configs = list(OrderedDict.fromkeys((r["seqlen"], r["head_dim"]) for r in fr))
         multi_d = len({d for _, d in configs}) > 1
-        fig, axes = plt.subplots(1, len(modes), figsize=(max(5.0, 1.6 * len(configs) * len(methods) / 2) * len(modes), 4),
+        fig, axes = plt.subplots(len(modes), 1, figsize=(max(6.0, 0.45 * len(configs) * len(methods)), 3.2 * len(modes)),
                                  squeeze=False)
         width = 0.8 / max(1, len(methods))
-        for ax, mode in zip(axes[0], modes):
+        for ax, mode in zip(axes[:, 0], modes):
             for i, m in enumerate(methods):
                 xs, ys = [], []
                 for x, (s, d) in enumerate(configs):

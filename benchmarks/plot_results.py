@@ -1,9 +1,13 @@
-"""Draw the README's performance chart from a bench_kernels.py CSV.
+"""Draw the README's performance chart from a bench_kernels.py CSV, and with --per-family DIR one
+chart per mask family (every seqlen and head dim of the CSVs, one panel per mode).
 
-    python benchmarks/plot_results.py benchmarks/results_h100/kernels.csv docs/perf_h100.png
+    python benchmarks/plot_results.py benchmarks/results_h100/kernels.csv docs/perf_h100.png \
+        --extra-csv benchmarks/results_h100/kernels_d64.csv --per-family docs/perf_h100
 """
 import argparse
 import csv
+import os
+import sys
 from collections import defaultdict
 
 METHODS = [("flashmask", "flashmask"), ("flex", "FlexAttention"), ("sdpa_dense", "SDPA dense mask")]
@@ -23,6 +27,8 @@ def main(argv=None):
     ap.add_argument("csv")
     ap.add_argument("png")
     ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--extra-csv", action="append", default=[], help="more rows for the per-family charts")
+    ap.add_argument("--per-family", metavar="DIR", help="also write DIR/<family>.png")
     args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
@@ -45,6 +51,25 @@ def main(argv=None):
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
     print(f"-> {args.png}")
+    if args.per_family:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from benchmarks.bench_kernels import plot_families
+        paths = plot_families(read_rows([args.csv] + args.extra_csv), args.per_family)
+        print(f"-> {len(paths)} charts in {args.per_family}")
+
+
+def read_rows(paths):
+    """bench_kernels.py rows from its CSVs, numbers parsed."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                for key in ("seqlen", "head_dim"):
+                    r[key] = int(r[key])
+                for key in ("tflops", "density", "ms"):
+                    r[key] = float(r[key]) if r[key] else None
+                out.append(r)
+    return out
 
 
 if __name__ == "__main__":

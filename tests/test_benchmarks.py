@@ -241,6 +241,17 @@ def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
     assert (tmp_path / "plots" / "causal.png").exists()
     assert "vs flex" in out and "global_sliding_window" in out
 
+    # The README chart and the per-family charts, redrawn from the CSV alone.
+    from benchmarks import plot_results
+    plot_results.main([str(tmp_path / "kernels.csv"), str(tmp_path / "summary.png"), "--seqlen", "64",
+                       "--per-family", str(tmp_path / "from_csv")])
+    assert (tmp_path / "summary.png").stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "from_csv").iterdir()) == ["causal.png", "global_sliding_window.png"]
+    parsed = plot_results.read_rows([str(tmp_path / "kernels.csv")])
+    timed = {(r["family"], r["mode"], r["method"]): r["tflops"] for r in rows if r["tflops"] is not None}
+    assert {(r["family"], r["mode"], r["method"]): r["tflops"] for r in parsed if r["tflops"] is not None} == \
+        pytest.approx(timed, rel=1e-4)
+
 
 def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypatch):
     """flashmask_det: opt-in (not in the default methods), backward rows only, next to flashmask."""

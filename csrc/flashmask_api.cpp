@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "launch.h"
@@ -63,11 +64,20 @@ bool dtype_compiled(at::ScalarType t) {
     return false;
 }
 
+// Out of line and without c10::Join: on the H100 machine (torch 2.11) the inline version of this
+// error crashed the process instead of raising, while other TORCH_CHECKs in fwd raised normally.
+[[noreturn]] __attribute__((noinline)) void fail_head_dim(int d) {
+    std::string dims;
+    for (int k : kHeadDims) if (k) dims += (dims.empty() ? "" : ", ") + std::to_string(k);
+    TORCH_CHECK(false, "flashmask: head dim ", d, " is larger than every head dim this build compiled (", dims,
+                "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
+    std::abort();  // unreachable: TORCH_CHECK(false) throws
+}
+
 // The smallest compiled head dim that holds d (inputs are zero-padded up to it inside the kernel).
 int kernel_head_dim(int d) {
     for (int k : kHeadDims) if (k && d <= k) return k;
-    TORCH_CHECK(false, "flashmask: head dim ", d, " is larger than every head dim this build compiled (",
-                c10::Join(", ", compiled_head_dims()), "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
+    fail_head_dim(d);
 }
 
 // The (forward, backward) entry points of a compiled (head dim, dtype), or an error naming what

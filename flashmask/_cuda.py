@@ -42,6 +42,21 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     return tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
 
 
+def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
+    """Why this build of the extension has no kernel for q's head dim or dtype, or None.
+
+    Builds may compile a subset (``FLASHMASK_HEAD_DIMS``, ``FLASHMASK_DTYPES``); a head dim is
+    served by the smallest compiled one that holds it.
+    """
+    dims = compiled_head_dims()
+    if not dims or q.shape[-1] > max(dims):
+        return (f"this build compiled head dims {dims}, none of which holds {q.shape[-1]} "
+                f"(rebuild with FLASHMASK_HEAD_DIMS including a larger one)")
+    if q.dtype not in compiled_dtypes():
+        return f"this build compiled {compiled_dtypes()}, not {q.dtype} (rebuild with FLASHMASK_DTYPES)"
+    return None
+
+
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
         causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         reason = _checks.kernel_unsupported_reason(q, k, v)
         if reason is None and not _cuda.available():
             reason = _cuda.unavailable_reason()
+        if reason is None:
+            reason = _cuda.build_unsupported_reason(q)
         if reason is not None:
             if backend == "cuda":
                 raise RuntimeError(f"backend='cuda' cannot run: {reason}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import doctest
 import math
+import re
 import warnings
 
 import pytest
@@ -63,6 +64,25 @@ def test_backend_cuda_on_cpu_raises():
     q, k, v = _qkv(dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"backend='cuda' cannot run: .*(CUDA|cuda)"):
         flashmask_attention(q, k, v, causal=True, backend="cuda")
+
+
+@pytest.mark.parametrize("dims, dtypes, d, dtype, expect", [
+    ((64, 128), (torch.bfloat16,), 128, torch.bfloat16, None),
+    ((64, 128), (torch.bfloat16,), 40, torch.bfloat16, None),  # served by the 64 kernel
+    ((64,), (torch.bfloat16,), 128, torch.bfloat16, r"compiled head dims \(64,\), none of which holds 128"),
+    ((), (), 64, torch.float16, r"compiled head dims \(\), none of which holds 64"),
+    ((64, 128), (torch.bfloat16,), 64, torch.float16, r"not torch.float16 .*FLASHMASK_DTYPES"),
+])
+def test_build_subset_reason(monkeypatch, dims, dtypes, d, dtype, expect):
+    """A build with a subset of head dims or dtypes says so (the kernels are never called)."""
+    from flashmask import _cuda
+    monkeypatch.setattr(_cuda, "compiled_head_dims", lambda: dims)
+    monkeypatch.setattr(_cuda, "compiled_dtypes", lambda: dtypes)
+    reason = _cuda.build_unsupported_reason(torch.empty(1, 4, 2, d, dtype=dtype))
+    if expect is None:
+        assert reason is None
+    else:
+        assert reason is not None and re.search(expect, reason), reason
 
 
 @pytest.mark.parametrize("backend", ["bogus", "CUDA", "", None])

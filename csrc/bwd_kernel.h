@@ -3,9 +3,9 @@
 // bwd_kv_kernel: one CTA per (key block, query head, batch) holds K, V and the dK, dV accumulators
 // and walks the query blocks that can see its keys: the causal bound and the block's interval
 // bounds trim the range, and runs of query blocks that one interval masks entirely are jumped.
-// P is recomputed from the saved LSE. dQ is either accumulated across CTAs with fp32 atomics (then
-// scaled and cast by dq_convert_kernel), or
-// (deterministic) left to bwd_dq_kernel, which walks key blocks per query tile in a fixed order.
+// P is recomputed from the saved LSE. dQ is either accumulated across CTAs with fp32 atomics, then
+// scaled and cast by dq_convert_kernel, or (deterministic) left to bwd_dq_kernel, which walks key
+// blocks per query tile in a fixed order.
 #pragma once
 #include <cute/tensor.hpp>
 

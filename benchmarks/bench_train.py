@@ -25,8 +25,8 @@ training), forward, loss, backward, ``optimizer.step()``, ``zero_grad``. After `
 (compilation for flex), ``--steps`` steps are timed one by one (``torch.cuda.synchronize`` +
 ``perf_counter``); peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps (reset
 before the first), so it includes weights, gradients and AdamW states. ``--find-max`` then
-doubles the context (flashmask only) from the largest ``--seqlens`` until a step fails (OOM) or
-``--max-seqlen`` is passed, and reports the longest that trained.
+doubles the context of each method from the largest ``--seqlens`` until a step fails (OOM, or a
+dense mask that does not fit) or ``--max-seqlen`` is passed, and reports the longest that trained.
 
 Examples::
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "[S, vocab] logits never exist whole); full: model(..., labels=...).loss")
     p.add_argument("--loss-chunk", type=int, default=4096, help="tokens per chunk of the chunked loss")
     p.add_argument("--find-max", action="store_true",
-                   help="flashmask only: double the context from the largest --seqlens until a step fails")
+                   help="for each method, double the context from the largest --seqlens until a step fails")
     p.add_argument("--max-seqlen", type=int, default=MAX_SEQLEN, help="upper bound of --find-max")
     p.add_argument("--dense-mask", default="additive", choices=["additive", "bool"],
                    help="sdpa_dense: the 4-D mask given to the model (bool: SDPA makes an additive copy per call)")
@@ -433,21 +433,21 @@ def summary_table(rows: List[dict]) -> str:
     return common.format_table(headers, table, align="rlrrrrrrl")
 
 
-def find_max(rows: List[dict], args, device, dtype, add) -> dict:
-    """Double the flashmask context from the largest --seqlens until a step fails or --max-seqlen is
-    passed. Returns ``{"longest_seqlen", "stopped"}``."""
+def find_max(method: str, rows: List[dict], args, device, dtype, add) -> dict:
+    """Double the context of ``method`` from the largest --seqlens until a step fails or --max-seqlen
+    is passed. Returns ``{"longest_seqlen", "stopped"}``."""
     top = max(args.seqlens)
-    ok = [r["seqlen"] for r in rows if r["method"] == "flashmask" and r["status"] == "ok"]
-    tried_top = any(r["method"] == "flashmask" and r["seqlen"] == top for r in rows)
+    ok = [r["seqlen"] for r in rows if r["method"] == method and r["status"] == "ok"]
+    tried_top = any(r["method"] == method and r["seqlen"] == top for r in rows)
     longest = max(ok) if ok else None
     if tried_top and top not in ok:
         return {"longest_seqlen": longest, "stopped": f"{common.fmt_len(top)} did not train"}
     s = top * 2 if tried_top else top
     while s <= args.max_seqlen:
-        print(f"== find-max: flashmask at S={common.fmt_len(s)}", flush=True)
+        print(f"== find-max: {method} at S={common.fmt_len(s)}", flush=True)
         batches = synthetic_batches(args.warmup_steps + args.steps, args.batch, s, args.vocab_size, args.doc_len,
                                     args.seed + s)
-        row = try_run("flashmask", s, batches, data_stats(batches), args, device, dtype, find_max=True)
+        row = try_run(method, s, batches, data_stats(batches), args, device, dtype, find_max=True)
         batches = None
         add(row)
         if row["status"] != "ok":
@@ -512,8 +512,12 @@ def run(args) -> list:
             print(f"  {method} (attn_implementation={ATTN_IMPLEMENTATION[method]})", flush=True)
             add(try_run(method, s, batches, stats, args, device, dtype))
         batches = None
-    if args.find_max and not fatal:
-        meta["find_max"] = find_max(rows, args, device, dtype, add)
+    if args.find_max:
+        meta["find_max"] = {}
+        for method in args.methods:
+            if fatal:
+                break
+            meta["find_max"][method] = find_max(method, rows, args, device, dtype, add)
     if fatal:
         print(f"\nstopped early: the CUDA context is unusable after: {fatal}", flush=True)
         meta["stopped_early"] = fatal
@@ -521,10 +525,11 @@ def run(args) -> list:
     csv_path, json_path = common.write_results(args.out, "train", rows, FIELDS, meta)
     print()
     print(summary_table(rows))
-    if "find_max" in meta:
-        fm = meta["find_max"]
+    if meta.get("find_max"):
+        print()
+    for method, fm in meta.get("find_max", {}).items():
         longest = "none" if fm["longest_seqlen"] is None else f"{common.fmt_len(fm['longest_seqlen'])} tokens"
-        print(f"\nlongest context trained with flashmask (* rows): {longest} ({fm['stopped']})")
+        print(f"longest context trained with {method} (* rows): {longest} ({fm['stopped']})")
     print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
     return rows
 

@@ -153,18 +153,41 @@ def test_find_max_doubles_until_oom(tmp_path, capsys, monkeypatch):
     got = [(r["seqlen"], r["status"], r["find_max"]) for r in rows]
     assert got == [(64, "ok", False), (128, "ok", False), (256, "ok", True), (512, "oom", True)]
     with open(tmp_path / "train.json") as f:
-        assert json.load(f)["meta"]["find_max"] == {"longest_seqlen": 256, "stopped": "512: oom"}
+        assert json.load(f)["meta"]["find_max"] == {"flashmask": {"longest_seqlen": 256, "stopped": "512: oom"}}
     assert "longest context trained with flashmask (* rows): 256 tokens" in capsys.readouterr().out
 
 
 def test_find_max_stops_at_the_bound(tmp_path, capsys):
     rows = bench_train.run(_args(tmp_path, "--methods", "sdpa_dense", "--seqlens", "64", "--find-max",
                                  "--max-seqlen", "128", "--steps", "1", "--warmup-steps", "0"))
-    # flashmask was not among the methods: the search starts at the largest --seqlens itself
-    assert [(r["seqlen"], r["method"], r["status"]) for r in rows] == [
-        (64, "sdpa_dense", "ok"), (64, "flashmask", "ok"), (128, "flashmask", "ok")]
+    assert [(r["seqlen"], r["method"], r["status"], r["find_max"]) for r in rows] == [
+        (64, "sdpa_dense", "ok", False), (128, "sdpa_dense", "ok", True)]
     with open(tmp_path / "train.json") as f:
-        assert json.load(f)["meta"]["find_max"]["longest_seqlen"] == 128
+        assert json.load(f)["meta"]["find_max"] == {
+            "sdpa_dense": {"longest_seqlen": 128, "stopped": "bound --max-seqlen 128 reached"}}
+
+
+def test_find_max_searches_every_method(tmp_path, capsys, monkeypatch):
+    """Each method doubles on its own: here the dense mask stops fitting at 256 while flashmask goes on."""
+    real_fits = common.dense_fit
+
+    def fits(batch, heads, seqlen_q, seqlen_k, *a, **kw):
+        if seqlen_q >= 256:
+            return False, "does not fit (test)"
+        return real_fits(batch, heads, seqlen_q, seqlen_k, *a, **kw)
+
+    monkeypatch.setattr(common, "dense_fit", fits)
+    rows = bench_train.run(_args(tmp_path, "--methods", "flashmask,sdpa_dense", "--seqlens", "64", "--find-max",
+                                 "--max-seqlen", "512", "--steps", "1", "--warmup-steps", "0"))
+    got = [(r["seqlen"], r["method"], r["status"]) for r in rows if r["find_max"]]
+    assert got == [(128, "flashmask", "ok"), (256, "flashmask", "ok"), (512, "flashmask", "ok"),
+                   (128, "sdpa_dense", "ok"), (256, "sdpa_dense", "n/a")]
+    with open(tmp_path / "train.json") as f:
+        fm = json.load(f)["meta"]["find_max"]
+    assert fm["flashmask"]["longest_seqlen"] == 512 and fm["sdpa_dense"] == {"longest_seqlen": 128,
+                                                                              "stopped": "256: n/a"}
+    out = capsys.readouterr().out
+    assert "longest context trained with sdpa_dense (* rows): 128 tokens (256: n/a)" in out
 
 
 def test_hf_packed_block_mask_matches_the_library_mask(tmp_path):

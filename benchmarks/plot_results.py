@@ -13,12 +13,26 @@ from collections import defaultdict
 METHODS = [("flashmask", "flashmask"), ("flex", "FlexAttention"), ("sdpa_dense", "SDPA dense mask")]
 
 
+def read_rows(paths):
+    """bench_kernels.py rows from its CSVs, numbers parsed."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                for key in ("seqlen", "head_dim"):
+                    r[key] = int(r[key])
+                for key in ("tflops", "density", "ms"):
+                    r[key] = float(r[key]) if r[key] else None
+                out.append(r)
+    return out
+
+
+
 def load(path):
     rows = defaultdict(dict)  # (family, seqlen, mode) -> method -> TFLOP/s
-    with open(path) as f:
-        for r in csv.DictReader(f):
-            if r["status"] == "ok" and r["tflops"]:
-                rows[(r["family"], int(r["seqlen"]), r["mode"])][r["method"]] = float(r["tflops"])
+    for r in read_rows([path]):
+        if r["status"] == "ok" and r["tflops"]:
+            rows[(r["family"], r["seqlen"], r["mode"])][r["method"]] = r["tflops"]
     return rows
 
 
@@ -56,20 +70,6 @@ def main(argv=None):
         from benchmarks.bench_kernels import plot_families
         paths = plot_families(read_rows([args.csv] + args.extra_csv), args.per_family)
         print(f"-> {len(paths)} charts in {args.per_family}")
-
-
-def read_rows(paths):
-    """bench_kernels.py rows from its CSVs, numbers parsed."""
-    out = []
-    for path in paths:
-        with open(path) as f:
-            for r in csv.DictReader(f):
-                for key in ("seqlen", "head_dim"):
-                    r[key] = int(r[key])
-                for key in ("tflops", "density", "ms"):
-                    r[key] = float(r[key]) if r[key] else None
-                out.append(r)
-    return out
 
 
 if __name__ == "__main__":

@@ -12,10 +12,15 @@ namespace flashmask {
 template <int kHeadDim, typename Element>
 void run_bwd_kv(const BwdParams& p, cudaStream_t stream) {
     using Traits = BwdTraits<kHeadDim, Element>;
-    const dim3 grid(p.hq, (p.sk + Traits::kBlockN - 1) / Traits::kBlockN, p.b);
+    const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN * p.hq, 1, p.b);
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
-        launch_with_smem(&bwd_kv_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,
-                         Traits::kNThreads, Traits::kSmemBytes, p, stream);
+        constexpr bool causal = decltype(is_causal)::value;
+        launch_with_smem(&bwd_kv_kernel<Traits, causal, decltype(mask_c)::value>, grid, Traits::kNThreads,
+                         Traits::kSmemBytes, p, stream);
+        // The key blocks no interval reaches: every CTA of one of the two launches returns at once.
+        if constexpr (decltype(mask_c)::value > 0) {
+            launch_with_smem(&bwd_kv_kernel<Traits, causal, 0>, grid, Traits::kNThreads, Traits::kSmemBytes, p, stream);
+        }
     });
     if (p.dq_accum != nullptr) {
         const dim3 grid_q((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -64,20 +65,21 @@ bool dtype_compiled(at::ScalarType t) {
     return false;
 }
 
-// Out of line and without c10::Join: on the H100 machine (torch 2.11) the inline version of this
-// error crashed the process instead of raising, while other TORCH_CHECKs in fwd raised normally.
-[[noreturn]] __attribute__((noinline)) void fail_head_dim(int d) {
-    std::string dims;
-    for (int k : kHeadDims) if (k) dims += (dims.empty() ? "" : ", ") + std::to_string(k);
-    TORCH_CHECK(false, "flashmask: head dim ", d, " is larger than every head dim this build compiled (", dims,
-                "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
-    std::abort();  // unreachable: TORCH_CHECK(false) throws
-}
+// Numbers in error messages go through std::to_string, never through c10::str's ostream: built
+// by a g++ newer than the libstdc++ it runs with (the H100 machine's /opt/gcc), the extension
+// carries its own copy of ostream's integer insertion, and streaming an int there crashed the
+// process (cuda-gdb: SIGSEGV in basic_ostream::_M_insert<long> under TORCH_CHECK).
+std::string num_str(int64_t x) { return std::to_string(x); }
 
 // The smallest compiled head dim that holds d (inputs are zero-padded up to it inside the kernel).
 int kernel_head_dim(int d) {
-    for (int k : kHeadDims) if (k && d <= k) return k;
-    fail_head_dim(d);
+    std::string dims;
+    for (int k : kHeadDims) {
+        if (k && d <= k) return k;
+        if (k) dims += (dims.empty() ? "" : ", ") + num_str(k);
+    }
+    TORCH_CHECK(false, "flashmask: head dim ", num_str(d), " is larger than every head dim this build compiled (", dims,
+                "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
 }
 
 // The (forward, backward) entry points of a compiled (head dim, dtype), or an error naming what
@@ -130,7 +132,7 @@ Kernels kernels_for(int head_dim, at::ScalarType dtype) {
     FLASHMASK_CASE(256, bf16)
 #endif
 #undef FLASHMASK_CASE
-    TORCH_CHECK(false, "flashmask: no kernel compiled for head dim ", head_dim, " and dtype ", dtype);
+    TORCH_CHECK(false, "flashmask: no kernel compiled for head dim ", num_str(head_dim), " and dtype ", c10::toString(dtype));
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -146,13 +148,13 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
         TORCH_CHECK(t->scalar_type() == q.scalar_type(), "flashmask: q, k, v must share a dtype");
         TORCH_CHECK(t->get_device() == q.get_device(), "flashmask: q, k, v must be on one device");
     }
-    TORCH_CHECK(dtype_compiled(q.scalar_type()), "flashmask: dtype ", q.scalar_type(),
+    TORCH_CHECK(dtype_compiled(q.scalar_type()), "flashmask: dtype ", c10::toString(q.scalar_type()),
                 " is not compiled; this build has ", c10::Join(", ", compiled_dtypes()));
     TORCH_CHECK(k.sizes() == v.sizes(), "flashmask: k and v must have the same shape");
     TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "flashmask: q and k must share B and D");
     TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flashmask: Hq must be a multiple of Hk");
     const int64_t d = q.size(3);
-    TORCH_CHECK(d % 8 == 0 && d <= 256, "flashmask: head dim must be a multiple of 8 up to 256, got ", d);
+    TORCH_CHECK(d % 8 == 0 && d <= 256, "flashmask: head dim must be a multiple of 8 up to 256, got ", num_str(d));
 }
 
 void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
@@ -189,7 +191,8 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     const int hm = mask.size(1), c = mask.size(3);
     TORCH_CHECK(mask.size(0) == b && mask.size(2) == sk, "flashmask: startend_row_indices must be [B, Hm, Sk, C]");
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
-    TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", c, " is invalid for causal=", causal);
+    TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
+                causal ? "True" : "False");
     bounds = at::empty({b, hm, p.n_key_blocks, kNumBounds}, mask.options());
     launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), b * hm, sk, c, causal, sq, block_n, stream);
     p.mask = mask.data_ptr<int>();
@@ -208,6 +211,26 @@ int choose_num_splits(int ctas, int n_key_blocks) {
     if (ctas >= resident || n_key_blocks < 8) return 1;
     const int want = (resident + ctas - 1) / ctas;
     return std::max(1, std::min({want, n_key_blocks / 4, 64}));
+}
+
+// How many heads the launch interleaves (AttnParams::head_group). Without a mask every head's
+// jobs weigh the same, and fewer heads in flight means more CTAs of one head streaming the same
+// K/V (forward) or Q/dO (backward) blocks together: the largest divisor of hq whose heads stream
+// at most half of L2 (H100, full attention at 128K: forward 302 -> 336 TFLOP/s, backward 283 ->
+// 338). A mask makes some jobs far heavier (global tokens, long documents); only interleaving all
+// heads starts the heaviest of every head first (global + sliding window at 32K lost a third with
+// one head at a time). FLASHMASK_HEAD_GROUP overrides the choice (tuning and tests).
+int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
+    if (const char* env = std::getenv("FLASHMASK_HEAD_GROUP")) {
+        int g = std::max(1, std::min(hq, std::atoi(env)));
+        while (hq % g) --g;
+        return g;
+    }
+    if (masked) return hq;
+    const int64_t budget = at::cuda::getCurrentDeviceProperties()->l2CacheSize / 2;
+    int g = hq;
+    while (g > 1 && (hq % g != 0 || g * bytes_per_head > budget)) --g;
+    return g;
 }
 
 // Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}. num_splits: 0 chooses, 1 disables split-KV.
@@ -232,6 +255,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     const int ctas = b * hq * ((sq + tile.block_m - 1) / tile.block_m);
     TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
     p.num_splits = num_splits == 0 ? choose_num_splits(ctas, p.n_key_blocks) : int(num_splits);
+    // The K and V of a GQA group are shared by its query heads.
+    p.head_group = choose_head_group(hq, int64_t(2) * p.sk * d * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
     at::Tensor o_partial, lse_partial;
     if (p.num_splits > 1) {
         o_partial = at::empty({p.num_splits, b, hq, sq, d}, q.options().dtype(at::kFloat));
@@ -293,8 +318,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
     }
     const int head_dim = kernel_head_dim(d);
-    TORCH_CHECK((sk + bwd_tile(head_dim).block_n - 1) / bwd_tile(head_dim).block_n <= 65535,
-                "flashmask: the backward supports at most ", 65535 * bwd_tile(head_dim).block_n, " keys, got ", sk);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     at::Tensor mask, bounds;
@@ -327,6 +350,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         dq_accum = at::zeros({b, hq, (sq + block_m - 1) / block_m, block_m * head_dim}, q.options().dtype(at::kFloat));
         p.dq_accum = dq_accum.data_ptr<float>();
     }
+    p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     const Kernels kernels = kernels_for(head_dim, q.scalar_type());
     kernels.bwd_kv(p, stream);
     if (deterministic) kernels.bwd_dq(p, stream);

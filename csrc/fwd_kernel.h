@@ -14,6 +14,7 @@
 #include "mask_bounds.h"
 #include "params.h"
 #include "softmax.h"
+#include "launch_order.h"
 #include "tile_ops.h"
 
 namespace flashmask {
@@ -31,11 +32,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     extern __shared__ __align__(128) char smem[];
     const int tidx = threadIdx.x;
-    // blockIdx.x = rank * Hq + head: the CTAs of rank 0 (the heaviest tile of every head) start
-    // first. Without a work order the heaviest tiles are the last rows under a causal mask.
+    // Tiles of rank 0 (the heaviest of each head) start first within each head group. Without a
+    // work order the heaviest tiles are the last rows under a causal mask.
     const int m_tiles = gridDim.x / p.hq;
-    const int rank = blockIdx.x / p.hq;
-    const int h = blockIdx.x % p.hq;
+    const JobHead job = job_and_head(blockIdx.x, m_tiles, p.head_group);
+    const int rank = job.job;
+    const int h = job.head;
     const bool split = p.num_splits > 1;
     const int b = blockIdx.z / p.num_splits;
     const int split_idx = blockIdx.z % p.num_splits;

@@ -37,6 +37,12 @@ struct AttnParams {
     // Forward launch order: query tiles of each (batch, mask head) by decreasing work
     // ([B, Hm, m_tiles]), so that long tiles start first; nullptr: reversed for causal.
     const int* tile_order;
+
+    // Launch order over heads: CTA x is (head group, job, head in the group) with the group's
+    // heads interleaved (job_and_head). Interleaving every head runs the heaviest causal jobs of
+    // all heads first; a smaller group keeps what its heads stream (K and V in the forward, Q and
+    // dO in the backward) within L2. head_group divides Hq (choose_head_group in the binding).
+    int head_group;
 };
 
 // The backward adds dO, the row sums D = rowsum(dO * O) - dLSE, and the gradients.

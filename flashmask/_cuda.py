@@ -33,13 +33,19 @@ def has_backward() -> bool:
     return _C is not None and hasattr(_C, "bwd")
 
 
+# Read once: torch.compile(fullgraph=True) traces flashmask_attention, and Dynamo cannot call
+# into the pybind11 functions themselves.
+_HEAD_DIMS: Tuple[int, ...] = tuple(_C.head_dims()) if _C is not None else ()
+_DTYPES: Tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
+
+
 def compiled_head_dims() -> Tuple[int, ...]:
     """The head dims the extension was built for (inputs are rounded up to the next one)."""
-    return tuple(_C.head_dims()) if _C is not None else ()
+    return _HEAD_DIMS
 
 
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
-    return tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
+    return _DTYPES
 
 
 def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:

@@ -7,8 +7,8 @@ import torch
 import flashmask
 from flashmask import _cuda
 from flashmask.reference import reference_attention
-from attn_helpers import low_precision_attention, max_err, random_startend
-from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator
+from attn_helpers import assert_close_to_reference, low_precision_attention, max_err, random_startend
+from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
 from masks.examples import example
 import masks
 
@@ -78,6 +78,32 @@ def test_gqa_mask_heads_layouts(dtype, hq, hk, hm, layout):
 def test_mask_families(dtype, family):
     mask, causal = example(family, 1500, batch_size=2, device="cuda")
     q, k, v = make_qkv(2, 1500, 1500, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], dtype)
+    check_backward(q, k, v, mask, causal)
+
+
+@pytest.mark.parametrize("causal,c", MODES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_key_blocks_no_interval_reaches(causal, c, deterministic):
+    """Key blocks whose columns hold only empty intervals run in the mask-free instantiation and
+    the others in the masked one (two launches); every second block of 128 keys is such a block."""
+    sq, sk = 700, 1000
+    mask = random_startend(1, 2, sq, sk, causal, c, device="cuda")
+    empty = {1: [sq], 2: [sq, sq] if causal else [sq, 0], 4: [sq, sq, 0, 0]}[c]
+    unreached = (torch.arange(sk, device="cuda") // 128) % 2 == 1
+    mask[:, :, unreached] = torch.tensor(empty, dtype=torch.int32, device="cuda")
+    q, k, v = make_qkv(1, sq, sk, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    check_backward(q, k, v, mask, causal, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("causal,c", [(True, None), (False, None), (True, 1), (False, 4)])
+def test_launch_head_groups(monkeypatch, group, causal, c):
+    """Launch orders that interleave fewer heads (chosen for long unmasked inputs) compute the same."""
+    monkeypatch.setenv("FLASHMASK_HEAD_GROUP", str(group))
+    q, k, v = make_qkv(2, 1000, 1100, 8, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    mask = None if c is None else random_startend(2, 2, 1000, 1100, causal, c, device="cuda")
+    out, lse = run_kernel(q, k, v, mask, causal)
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)
     check_backward(q, k, v, mask, causal)
 
 

@@ -112,3 +112,30 @@ def test_split_kv(causal, c, sq, sk, num_splits):
     out, lse = _cuda.fwd(q, k, v, mask, causal, q.shape[-1] ** -0.5, False, num_splits)
     torch.cuda.synchronize()
     assert_close_to_reference(out, lse, q, k, v, mask, causal)
+
+
+def test_partial_build_names_missing_head_dims():
+    """A build without the larger head dims (FLASHMASK_HEAD_DIMS) raises from the binding itself,
+    not only from flashmask_attention's check, and the process survives to run a supported call."""
+    dims = _cuda.compiled_head_dims()
+    if max(dims) == 256:
+        pytest.skip("this build has every head dim; run it on a FLASHMASK_HEAD_DIMS build without 256")
+    d = max(dims) + 8
+    q = torch.randn(1, 64, 2, d, device="cuda", dtype=_cuda.compiled_dtypes()[0])
+    with pytest.raises(RuntimeError, match=rf"head dim {d} is larger than every head dim this build compiled"):
+        _cuda._C.fwd(q, q, q, None, True, d ** -0.5, 0)
+    q = q[..., :max(dims)].contiguous()
+    out, lse = run_kernel(q, q, q, None, True)
+    assert_close_to_reference(out, lse, q, q, q, None, True)
+
+
+def test_binding_errors_with_numbers_raise():
+    """The binding's own checks raise (not crash) when their message holds numbers."""
+    dtype = _cuda.compiled_dtypes()[0]
+    q = torch.randn(1, 64, 2, 24, device="cuda", dtype=dtype)[..., :20]
+    with pytest.raises(RuntimeError, match="head dim must be a multiple of 8 up to 256, got 20"):
+        _cuda._C.fwd(q, q, q, None, False, 1.0, 0)
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=dtype)
+    mask = torch.zeros(1, 1, 64, 4, device="cuda", dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="C=4 is invalid for causal=True"):
+        _cuda._C.fwd(q, q, q, mask, True, 1.0, 0)

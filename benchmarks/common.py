@@ -735,6 +735,9 @@ def _fallback_bench(fn: Callable, warmup_ms: float, rep_ms: float, device: torch
     return float(statistics.median(times))
 
 
+MIN_TIMED_CALLS = 5
+
+
 def time_ms(fn: Callable, warmup_ms: float, rep_ms: float, device: torch.device) -> float:
     """Median ms of ``fn`` by ``triton.testing.do_bench`` on CUDA (imported here, not at import time)."""
     if device.type == "cuda":
@@ -743,6 +746,14 @@ def time_ms(fn: Callable, warmup_ms: float, rep_ms: float, device: torch.device)
         except ImportError:
             do_bench = None
         if do_bench is not None:
+            # At 32K and beyond one call outlasts rep_ms, and do_bench would time it once: take
+            # at least MIN_TIMED_CALLS calls.
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            rep_ms = max(rep_ms, MIN_TIMED_CALLS * s.elapsed_time(e))
             return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     return _fallback_bench(fn, warmup_ms, rep_ms, device)
 

@@ -1,5 +1,5 @@
 """A few flashmask forward+backward steps on one mask family, for a profiler to catch; --time
-prints their median time instead (triton's do_bench).
+prints their median time instead (triton's do_bench), --kernels the time of each CUDA kernel.
 
     ncu --kernel-name regex:bwd_kv_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python3 scripts/profile_step.py --family causal --seqlen 32768
@@ -23,7 +23,8 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--deterministic", action="store_true")
 parser.add_argument("--no-mask", action="store_true", help="pass no mask tensor (causal or full only)")
 parser.add_argument("--time", action="store_true")
-parser.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd", help="what --time times")
+parser.add_argument("--kernels", action="store_true", help="print each CUDA kernel's time (torch.profiler)")
+parser.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd", help="what --time / --kernels run")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -46,18 +47,25 @@ def step():
 
 
 label = f"{args.family}{' (no mask tensor)' if args.no_mask else ''} at {args.seqlen}"
+if args.mode == "bwd":
+    out = forward()
+    timed = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
+else:
+    timed = torch.no_grad()(forward) if args.mode == "fwd" else step
 if args.time:
     from triton.testing import do_bench
-    if args.mode == "fwd":
-        with torch.no_grad():
-            ms = do_bench(forward, warmup=50, rep=300, return_mode="median")
-    elif args.mode == "bwd":
-        out = forward()
-        ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), warmup=50, rep=300,
-                      return_mode="median")
-    else:
-        ms = do_bench(step, warmup=50, rep=300, return_mode="median")
+    ms = do_bench(timed, warmup=50, rep=300, return_mode="median")
     print(f"{label}: {args.mode} {ms:.3f} ms")
+elif args.kernels:
+    from torch.profiler import ProfilerActivity, profile
+    timed()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            timed()
+        torch.cuda.synchronize()
+    print(f"{label}: {args.mode}, CUDA kernels over {args.steps} calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 else:
     for _ in range(args.steps):
         step()

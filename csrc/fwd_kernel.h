@@ -11,10 +11,10 @@
 
 #include "block_walk.h"
 #include "kernel_traits.h"
+#include "launch_order.h"
 #include "mask_bounds.h"
 #include "params.h"
 #include "softmax.h"
-#include "launch_order.h"
 #include "tile_ops.h"
 
 namespace flashmask {

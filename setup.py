@@ -4,7 +4,10 @@ Environment switches:
   FLASHMASK_BUILD_CUDA  auto (default: build when torch has CUDA and nvcc is found), 1 (force), 0 (skip)
   FLASHMASK_HEAD_DIMS   head dims to instantiate, e.g. "128" or "64,128" (default: all)
   FLASHMASK_DTYPES      "fp16", "bf16" or both (default: both)
-  FLASHMASK_ARCHS       CUDA archs, e.g. "90" or "80;90" (default: "80;90")
+  FLASHMASK_ARCHS       CUDA archs, e.g. "90" or "80;90" (default: "80;90"); "90" also builds the
+                        SM90 (wgmma/TMA) kernels, compiled for sm_90a
+The instantiations themselves are listed once, in csrc/instantiations.py, which writes their
+translation units under build/generated/.
 CuTe/CUTLASS headers come from the nvidia-cutlass wheel (`pip install nvidia-cutlass`), or from
 CUTLASS_INCLUDE_DIR.
 """
@@ -16,8 +19,15 @@ import re
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-ALL_DTYPES = ("fp16", "bf16")
+GENERATED = os.path.join("build", "generated")
+
+
+def _instantiations_module():
+    spec = importlib.util.spec_from_file_location("flashmask_instantiations",
+                                                  os.path.join(HERE, "csrc", "instantiations.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _env_list(name, default, cast=str):
@@ -60,33 +70,36 @@ def _cutlass_include():
 def _cuda_extension():
     from torch.utils.cpp_extension import CUDAExtension
 
-    head_dims = _env_list("FLASHMASK_HEAD_DIMS", ALL_HEAD_DIMS, int)
-    dtypes = _env_list("FLASHMASK_DTYPES", ALL_DTYPES)
+    inst = _instantiations_module()
+    head_dims = _env_list("FLASHMASK_HEAD_DIMS", inst.HEAD_DIMS, int)
+    dtypes = _env_list("FLASHMASK_DTYPES", inst.DTYPES)
     archs = _env_list("FLASHMASK_ARCHS", ("80", "90"))
-    bad = [d for d in head_dims if d not in ALL_HEAD_DIMS] + [t for t in dtypes if t not in ALL_DTYPES]
-    if bad:
-        raise RuntimeError(f"unknown head dims / dtypes {bad}; choose from {ALL_HEAD_DIMS} and {ALL_DTYPES}")
-    # One translation unit per (kernel, head dim, dtype) so that ninja compiles them in parallel.
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cu")) + glob.glob(os.path.join("csrc", "*.cpp")))
-    for path in sorted(glob.glob(os.path.join("csrc", "instantiations", "*.cu"))):
-        m = re.search(r"_hdim(\d+)_(fp16|bf16)", path)
-        if m and int(m.group(1)) in head_dims and m.group(2) in dtypes:
-            sources.append(path)
-    defines = [f"-DFLASHMASK_HDIM{d}" for d in head_dims] + [f"-DFLASHMASK_{t.upper()}" for t in dtypes]
+    families = inst.arch_families(archs)
+    try:
+        selected = inst.instantiations(head_dims, dtypes, families)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
+    # One translation unit per (architecture, kernel, head dim, dtype) so that ninja compiles them
+    # in parallel, plus the hand-written ones (binding, mask preprocessing, row kernels).
+    sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")) + glob.glob(os.path.join("csrc", "*", "*.cpp")))
+    sources += [os.path.relpath(p, HERE) for p in inst.generate(os.path.join(HERE, GENERATED), selected)]
+    sm90a = bool(inst.KERNELS["sm90"])  # wgmma and setmaxnreg need the arch-specific target
     gencode = []
     for a in archs:
-        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        a = a.rstrip("a")
+        target = f"{a}a" if a == "90" and sm90a else a
+        gencode += ["-gencode", f"arch=compute_{target},code=sm_{target}"]
     nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-            "-lineinfo", "--threads", "2"] + gencode + defines
+            "-lineinfo", "--threads", "2"] + gencode
     if os.environ.get("FLASHMASK_PTXAS_VERBOSE"):
         nvcc += ["-Xptxas", "-v"]
     return CUDAExtension(
         name="flashmask._C",
         sources=sources,
-        include_dirs=[os.path.join(HERE, "csrc"), _cutlass_include()],
-        extra_compile_args={"cxx": ["-O3"] + defines, "nvcc": nvcc},
+        include_dirs=[os.path.join(HERE, "csrc"), os.path.join(HERE, GENERATED), _cutlass_include()],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc},
     )
 
 
@@ -108,9 +121,9 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "plot": ["matplotlib"],
-        "hf": ["transformers>=4.53", "datasets"],
+        "hf": ["transformers>=4.53", "datasets", "tqdm"],
         "cuda": ["nvidia-cutlass==4.2.0.0", "ninja"],
-        "dev": ["pytest", "hypothesis", "matplotlib", "einops", "transformers>=4.53", "datasets"],
+        "dev": ["pytest", "hypothesis", "matplotlib", "einops", "transformers>=4.53", "datasets", "tqdm"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

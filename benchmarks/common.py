@@ -206,14 +206,14 @@ def attn_flops(pairs: int, head_dim: int, mode: str) -> float:
 
 
 def fwd_tile(head_dim: int) -> Tuple[int, int]:
-    """(BlockM, BlockN) of the forward kernel; mirrors ``fwd_tile`` in csrc/tile_config.h."""
+    """(BlockM, BlockN) of the forward kernel; mirrors ``fwd_tile`` in csrc/sm80/tile_config.h."""
     if head_dim <= 64:
         return 128, 128
     return 128, 64
 
 
 def bwd_tile(head_dim: int) -> Tuple[int, int]:
-    """(BlockM, BlockN) of the backward kernel; mirrors ``bwd_tile`` in csrc/tile_config.h."""
+    """(BlockM, BlockN) of the backward kernel; mirrors ``bwd_tile`` in csrc/sm80/tile_config.h."""
     return (64, 128) if head_dim <= 128 else (64, 64)
 
 

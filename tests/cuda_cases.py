@@ -10,6 +10,27 @@ HEAD_DIMS = [d for d in (32, 40, 64, 80, 96, 128, 160, 192, 256)
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
 
+def _kernel_backends():
+    """Every kernel family this build has that the device runs, as a backend= value ("sm80", "sm90")."""
+    if not _cuda.available():
+        return ["cuda"]
+    major, minor = torch.cuda.get_device_capability()
+    cc = major * 10 + minor
+    archs = {a for d in _cuda.compiled_head_dims() for t in DTYPES for a in _cuda.compiled_archs(d, t)}
+    return [f"sm{a}" for a in sorted(archs) if (cc == 90 if a == 90 else cc >= a)]
+
+
+# The GPU tests run once per kernel family (an autouse fixture of theirs sets BACKEND), so that the
+# SM80 kernels stay tested on a Hopper GPU next to the SM90 ones. Always a CUDA backend: a silent
+# fallback to the reference path would raise.
+KERNEL_BACKENDS = _kernel_backends()
+BACKEND = KERNEL_BACKENDS[-1]
+
+
+def arch_of(backend):
+    return _cuda.ARCHS[backend]
+
+
 def poison_allocator(numel):
     """Fill the caching allocator's free blocks with NaN so that outputs a kernel fails to write show."""
     junk = torch.full((numel * 4 + (1 << 20),), float("nan"), device="cuda")
@@ -18,7 +39,7 @@ def poison_allocator(numel):
 
 def run_kernel(q, k, v, startend, causal, **kw):
     poison_allocator(q.numel())
-    out, lse = flashmask.flashmask_attention(q, k, v, startend, causal=causal, return_lse=True, backend="cuda", **kw)
+    out, lse = flashmask.flashmask_attention(q, k, v, startend, causal=causal, return_lse=True, backend=BACKEND, **kw)
     torch.cuda.synchronize()
     return out, lse
 

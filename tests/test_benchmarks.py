@@ -330,8 +330,8 @@ def test_bench_memory_flow_on_cpu(tmp_path, capsys):
 
 
 def _c_tile(fn_name, head_dim):
-    """(BlockM, BlockN) from csrc/tile_config.h, whose tables benchmarks/common.py mirrors."""
-    src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "tile_config.h")).read()
+    """(BlockM, BlockN) from csrc/sm80/tile_config.h, whose tables benchmarks/common.py mirrors."""
+    src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "sm80", "tile_config.h")).read()
     body = re.search(rf"constexpr \w+ {fn_name}\(int head_dim\) \{{\s*return (.*?);\s*\}}", src, re.S).group(1)
     for limit, m, n, _ in re.findall(r"(?:head_dim <= (\d+) \? )?\w+Tile\{(\d+), (\d+), (\d+)\}", body):
         if not limit or head_dim <= int(limit):

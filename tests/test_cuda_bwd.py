@@ -8,12 +8,20 @@ import flashmask
 from flashmask import _cuda
 from flashmask.reference import reference_attention
 from attn_helpers import assert_close_to_reference, low_precision_attention, max_err, random_startend
+import cuda_cases
 from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
 from masks.examples import example
 import masks
 
 pytestmark = pytest.mark.skipif(not (_cuda.available() and _cuda.has_backward()),
                                 reason="needs a CUDA device and the built extension with its backward")
+
+
+@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
+def kernel_backend(request, monkeypatch):
+    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
+    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
+    return request.param
 
 
 def grads(fn, q, k, v, dout, dlse=None):
@@ -31,7 +39,7 @@ def check_backward(q, k, v, mask, causal, dlse=False, deterministic=False, scale
     dl = torch.randn(q.shape[0], q.shape[2], q.shape[1], device="cuda") if dlse else None
     poison_allocator(q.numel() * 3)
     got = grads(lambda a, b, c: flashmask.flashmask_attention(
-        a, b, c, mask, causal=causal, softmax_scale=scale, return_lse=True, backend="cuda",
+        a, b, c, mask, causal=causal, softmax_scale=scale, return_lse=True, backend=cuda_cases.BACKEND,
         deterministic=deterministic), q, k, v, dout, dl)
     # float32 reference on the same half-precision inputs, and the half-precision baseline.
     ref = grads(lambda a, b, c: reference_attention(a.float(), b.float(), c.float(), mask, causal=causal,

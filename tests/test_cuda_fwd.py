@@ -9,9 +9,18 @@ import masks
 from masks.examples import example
 from flashmask import _cuda
 from attn_helpers import assert_close_to_reference, random_startend
-from cuda_cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
+import cuda_cases
+from cuda_cases import DTYPES, HEAD_DIMS, MODES, arch_of, make_qkv, poison_allocator, run_kernel
 
 pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
+
+
+@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
+def kernel_backend(request, monkeypatch):
+    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
+    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
+    return request.param
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -109,7 +118,8 @@ def test_split_kv(causal, c, sq, sk, num_splits):
     q, k, v = make_qkv(2, sq, sk, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
     mask = None if c is None else random_startend(2, 2, sq, sk, causal, c, device="cuda")
     poison_allocator(q.numel() * 64)
-    out, lse = _cuda.fwd(q, k, v, mask, causal, q.shape[-1] ** -0.5, False, num_splits)
+    out, lse = _cuda.fwd(q, k, v, mask, causal, q.shape[-1] ** -0.5, False, num_splits,
+                         arch_of(cuda_cases.BACKEND))
     torch.cuda.synchronize()
     assert_close_to_reference(out, lse, q, k, v, mask, causal)
 
@@ -139,3 +149,29 @@ def test_binding_errors_with_numbers_raise():
     mask = torch.zeros(1, 1, 64, 4, device="cuda", dtype=torch.int32)
     with pytest.raises(RuntimeError, match="C=4 is invalid for causal=True"):
         _cuda._C.fwd(q, q, q, mask, True, 1.0, 0)
+
+
+def test_arch_selection():
+    """backend="sm80" and FLASHMASK_ARCH=80 run the SM80 kernels on any GPU; an unknown family raises
+    before any kernel runs; "cuda" takes the newest family the device runs."""
+    dtype = DTYPES[0]
+    q = torch.randn(1, 64, 2, HEAD_DIMS[0], device="cuda", dtype=dtype)
+    assert _cuda.selected_arch(q, 80) == 80
+    newest = max(_cuda.ARCHS[b] for b in cuda_cases.KERNEL_BACKENDS)
+    assert _cuda.selected_arch(q, 0) == newest
+    with pytest.raises(RuntimeError, match="unknown kernel architecture 70"):
+        _cuda.selected_arch(q, 70)
+    out, lse = flashmask.flashmask_attention(q, q, q, causal=True, return_lse=True, backend="sm80")
+    assert_close_to_reference(out, lse, q, q, q, None, True)
+    if "sm90" not in cuda_cases.KERNEL_BACKENDS:
+        with pytest.raises(RuntimeError, match="sm90"):
+            flashmask.flashmask_attention(q, q, q, causal=True, backend="sm90")
+
+
+def test_arch_environment_variable(monkeypatch):
+    q = torch.randn(1, 64, 2, HEAD_DIMS[0], device="cuda", dtype=DTYPES[0])
+    monkeypatch.setenv("FLASHMASK_ARCH", "80")
+    assert _cuda.selected_arch(q) == 80
+    monkeypatch.setenv("FLASHMASK_ARCH", "75")
+    with pytest.raises(RuntimeError, match="unknown kernel architecture 75"):
+        flashmask.flashmask_attention(q, q, q, causal=True, backend="cuda")

@@ -1,0 +1,242 @@
+// Python binding: argument checks, output allocation, mask-bound preprocessing and dispatch to
+// the (architecture, head dim, dtype) instantiations that this build compiled (registry.h).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "api/launch_policy.h"
+#include "api/registry.h"
+#include "common/row_kernels.h"
+#include "mask/bounds.h"
+
+namespace flashmask {
+namespace {
+
+// See registry.cpp: numbers in messages go through std::to_string.
+std::string num_str(int64_t x) { return std::to_string(x); }
+
+DType dtype_of(const at::Tensor& t) { return t.scalar_type() == at::kHalf ? DType::fp16 : DType::bf16; }
+
+int device_cc(const at::Tensor& t) {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
+    return prop->major * 10 + prop->minor;
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    for (const at::Tensor* t : {&q, &k, &v}) {
+        TORCH_CHECK(t->is_cuda(), "flashmask: q, k, v must be CUDA tensors");
+        TORCH_CHECK(t->dim() == 4, "flashmask: q, k, v must be [B, S, H, D]");
+        TORCH_CHECK(t->stride(-1) == 1, "flashmask: the last dimension of q, k, v must be contiguous");
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "flashmask: q, k, v must be 16-byte aligned");
+        for (int i = 0; i < 3; ++i) {
+            TORCH_CHECK(t->size(i) == 1 || t->stride(i) % 8 == 0,
+                        "flashmask: the strides of q, k, v must be multiples of 8 elements");
+        }
+        TORCH_CHECK(t->scalar_type() == q.scalar_type(), "flashmask: q, k, v must share a dtype");
+        TORCH_CHECK(t->get_device() == q.get_device(), "flashmask: q, k, v must be on one device");
+    }
+    TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                "flashmask: the kernels take float16 or bfloat16, not ", c10::toString(q.scalar_type()));
+    TORCH_CHECK(k.sizes() == v.sizes(), "flashmask: k and v must have the same shape");
+    TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "flashmask: q and k must share B and D");
+    TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flashmask: Hq must be a multiple of Hk");
+    const int64_t d = q.size(3);
+    TORCH_CHECK(d % 8 == 0 && d <= 256, "flashmask: head dim must be a multiple of 8 up to 256, got ", num_str(d));
+}
+
+void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
+    batch = t.stride(0);
+    row = t.stride(1);
+    head = t.stride(2);
+}
+
+}  // namespace
+
+// Fills the fields shared by forward and backward; allocates the mask bounds for key blocks of
+// block_n columns (kept alive by `bounds`).
+void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_n,
+                 at::Tensor& mask, at::Tensor& bounds, cudaStream_t stream) {
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    const int sk = k.size(1), hk = k.size(2);
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+    set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+    set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    p.b = b; p.sq = sq; p.sk = sk; p.hq = hq; p.hk = hk; p.d = d;
+    p.q_per_kv_head = hq / hk;
+    p.softmax_scale = float(softmax_scale);
+    p.scale_log2 = float(softmax_scale * M_LOG2E);
+    p.causal = causal;
+    p.n_key_blocks = (sk + block_n - 1) / block_n;
+    if (!startend_row_indices.has_value()) return;
+    mask = startend_row_indices->contiguous();
+    TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4, "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
+    TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(), "flashmask: startend_row_indices must be on the device of q");
+    const int hm = mask.size(1), c = mask.size(3);
+    TORCH_CHECK(mask.size(0) == b && mask.size(2) == sk, "flashmask: startend_row_indices must be [B, Hm, Sk, C]");
+    TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
+    TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
+                causal ? "True" : "False");
+    bounds = at::empty({b, hm, p.n_key_blocks, kNumBounds}, mask.options());
+    launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), b * hm, sk, c, causal, sq, block_n, stream);
+    p.mask = mask.data_ptr<int>();
+    p.bounds = bounds.data_ptr<int>();
+    p.mask_c = c;
+    p.hm = hm;
+    p.q_per_mask_head = hq / hm;
+}
+
+// Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}. num_splits: 0 chooses, 1 disables split-KV.
+std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
+                            int64_t num_splits, int64_t arch) {
+    check_qkv(q, k, v);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    at::Tensor out = at::empty({b, sq, hq, d}, q.options());
+    at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+    if (b == 0 || sq == 0 || hq == 0) return {out, lse};
+    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch));
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    AttnParams p{};
+    at::Tensor mask, bounds;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_n, mask, bounds, stream);
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    const int block_m = sel.tiles.fwd_block_m;
+    const int ctas = b * hq * ((sq + block_m - 1) / block_m);
+    TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
+    p.num_splits = num_splits == 0 ? choose_num_splits(ctas, p.n_key_blocks) : int(num_splits);
+    // The K and V of a GQA group are shared by its query heads.
+    p.head_group = choose_head_group(hq, int64_t(2) * p.sk * d * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
+    at::Tensor o_partial, lse_partial;
+    if (p.num_splits > 1) {
+        o_partial = at::empty({p.num_splits, b, hq, sq, d}, q.options().dtype(at::kFloat));
+        lse_partial = at::empty({p.num_splits, b, hq, sq}, q.options().dtype(at::kFloat));
+        p.o_partial = o_partial.data_ptr<float>();
+        p.lse_partial = lse_partial.data_ptr<float>();
+    }
+    at::Tensor order;
+    if (p.mask != nullptr) {
+        // Longest tiles first: a few tiles may see far more keys than the rest (global tokens,
+        // a prefix), and started last they would finish alone.
+        const int m_tiles = (sq + block_m - 1) / block_m;
+        at::Tensor work = at::empty({b * p.hm, m_tiles}, bounds.options());
+        launch_tile_work(p.bounds, work.data_ptr<int>(), b * p.hm, p.n_key_blocks, m_tiles, block_m,
+                         sel.tiles.fwd_block_n, sq, p.sk, causal, stream);
+        order = work.argsort(/*stable=*/true, /*dim=*/1, /*descending=*/true).to(at::kInt);
+        p.tile_order = order.data_ptr<int>();
+    }
+    sel.kernels->fwd(p, stream);
+    if (p.num_splits > 1) {
+        if (q.scalar_type() == at::kHalf) run_fwd_combine_fp16(p, stream);
+        else run_fwd_combine_bf16(p, stream);
+    }
+    return {out, lse};
+}
+
+// Returns {dq, dk, dv} shaped like q, k, v. dlse (optional, [B, Hq, Sq]) is the gradient reaching
+// the returned LSE.
+std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                            const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
+                            bool deterministic, int64_t arch) {
+    check_qkv(q, k, v);
+    TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flashmask: dout and out must be shaped like q");
+    TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+                "flashmask: dout and out must have the dtype of q");
+    TORCH_CHECK(dout.is_contiguous() && out.stride(-1) == 1, "flashmask: dout must be contiguous and out needs a contiguous last dimension");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0, "flashmask: dout must be 16-byte aligned");
+    const c10::cuda::CUDAGuard guard(q.device());
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    const int sk = k.size(1), hk = k.size(2);
+    at::Tensor dq = at::empty_like(q);
+    at::Tensor dk = at::empty_like(k);
+    at::Tensor dv = at::empty_like(v);
+    if (b == 0 || hq == 0 || sk == 0) {
+        dq.zero_(); dk.zero_(); dv.zero_();
+        return {dq, dk, dv};
+    }
+    if (sq == 0) {
+        dk.zero_(); dv.zero_();
+        return {dq, dk, dv};
+    }
+    const at::Tensor lse_c = lse.contiguous();
+    TORCH_CHECK(lse_c.scalar_type() == at::kFloat && lse_c.dim() == 3 && lse_c.size(0) == b && lse_c.size(1) == hq &&
+                lse_c.size(2) == sq, "flashmask: lse must be float32 [B, Hq, Sq]");
+    at::Tensor dlse_c;
+    if (dlse.has_value()) {
+        dlse_c = dlse->to(at::kFloat).contiguous();
+        TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
+    }
+    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch));
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    BwdParams p{};
+    at::Tensor mask, bounds;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.bwd_block_n, mask, bounds, stream);
+    p.o = out.data_ptr();
+    set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    p.lse = lse_c.data_ptr<float>();
+    p.dout = dout.data_ptr();
+    set_strides(dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+
+    at::Tensor dsum = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+    p.dsum = dsum.data_ptr<float>();
+    const float* dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
+    if (q.scalar_type() == at::kHalf) run_bwd_dsum_fp16(p, dlse_ptr, stream);
+    else run_bwd_dsum_bf16(p, dlse_ptr, stream);
+
+    // GQA: each query head writes its own dK, dV slice; the group is summed below.
+    const bool expand = hq != hk;
+    at::Tensor dk_h = expand ? at::empty({b, sk, hq, d}, k.options()) : dk;
+    at::Tensor dv_h = expand ? at::empty({b, sk, hq, d}, v.options()) : dv;
+    p.dk = dk_h.data_ptr();
+    p.dv = dv_h.data_ptr();
+    set_strides(dk_h, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+    set_strides(dv_h, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+    p.dq = dq.data_ptr();
+    set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+    at::Tensor dq_accum;
+    if (!deterministic) {
+        const int block_m = sel.tiles.bwd_block_m;
+        dq_accum = at::zeros({b, hq, (sq + block_m - 1) / block_m, block_m * sel.kernels->head_dim},
+                             q.options().dtype(at::kFloat));
+        p.dq_accum = dq_accum.data_ptr<float>();
+    }
+    p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
+    sel.kernels->bwd_kv(p, stream);
+    if (deterministic) sel.kernels->bwd_dq(p, stream);
+    if (expand) {
+        dk.copy_(dk_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
+        dv.copy_(dv_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
+    }
+    return {dq, dk, dv};
+}
+
+}  // namespace flashmask
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "flashmask CUDA kernels";
+    m.def("fwd", &flashmask::fwd, "FlashMask attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"), py::arg("num_splits") = 0, py::arg("arch") = 0);
+    m.def("bwd", &flashmask::bwd, "FlashMask attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("startend_row_indices"),
+          py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"), py::arg("arch") = 0);
+    m.def("head_dims", &flashmask::compiled_head_dims);
+    m.def("dtypes", &flashmask::compiled_dtypes);
+    m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");
+    m.def("selected_arch", [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch) {
+        const flashmask::DType t = dtype == "float16" ? flashmask::DType::fp16 : flashmask::DType::bf16;
+        return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch)).kernels->arch);
+    }, "the architecture family a call would run on");
+}

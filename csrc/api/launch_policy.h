@@ -1,0 +1,42 @@
+// Host-side launch choices of the binding: split-KV and the head grouping of the launch order.
+#pragma once
+#include <ATen/cuda/CUDAContext.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+
+namespace flashmask {
+
+// Split-KV pays off when the (query tile, head, batch) CTAs cannot fill the GPU, typically short
+// queries against long keys: then each tile's key blocks are shared among up to 64 CTAs, keeping
+// at least 4 key blocks per split.
+inline int choose_num_splits(int ctas, int n_key_blocks) {
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int resident = 2 * sms;  // the forward runs two CTAs per SM
+    if (ctas >= resident || n_key_blocks < 8) return 1;
+    const int want = (resident + ctas - 1) / ctas;
+    return std::max(1, std::min({want, n_key_blocks / 4, 64}));
+}
+
+// How many heads the launch interleaves (AttnParams::head_group). Without a mask every head's
+// jobs weigh the same, and fewer heads in flight means more CTAs of one head streaming the same
+// K/V (forward) or Q/dO (backward) blocks together: the largest divisor of hq whose heads stream
+// at most half of L2 (H100, full attention at 128K: forward 302 -> 336 TFLOP/s, backward 283 ->
+// 338). A mask makes some jobs far heavier (global tokens, long documents); only interleaving all
+// heads starts the heaviest of every head first (global + sliding window at 32K lost a third with
+// one head at a time). FLASHMASK_HEAD_GROUP overrides the choice (tuning and tests).
+inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
+    if (const char* env = std::getenv("FLASHMASK_HEAD_GROUP")) {
+        int g = std::max(1, std::min(hq, std::atoi(env)));
+        while (hq % g) --g;
+        return g;
+    }
+    if (masked) return hq;
+    const int64_t budget = at::cuda::getCurrentDeviceProperties()->l2CacheSize / 2;
+    int g = hq;
+    while (g > 1 && (hq % g != 0 || g * bytes_per_head > budget)) --g;
+    return g;
+}
+
+}  // namespace flashmask

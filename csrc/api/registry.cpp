@@ -1,0 +1,97 @@
+#include "api/registry.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "sm80/tile_config.h"
+
+namespace flashmask {
+
+#include "kernel_registry.inc"  // generated: declarations and kKernelSets
+
+namespace {
+
+const char* dtype_name(DType t) { return t == DType::fp16 ? "float16" : "bfloat16"; }
+
+// sm_90a code (wgmma, setmaxnreg) runs on compute capability 9.0 only; the mma.sync kernels on
+// anything from 8.0 (the build carries sm_80 and sm_90 code).
+bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
+
+TileSizes tiles_of(const KernelSet& k) {
+    // One case per architecture family; the sm90 kernels will add theirs.
+    const sm80::FwdTile f = sm80::fwd_tile(k.head_dim);
+    const sm80::BwdTile b = sm80::bwd_tile(k.head_dim);
+    return {f.block_m, f.block_n, b.block_m, b.block_n};
+}
+
+// Numbers in error messages go through std::to_string, never through c10::str's ostream: built
+// by a g++ newer than the libstdc++ it runs with (the H100 machine's /opt/gcc), the extension
+// carries its own copy of ostream's integer insertion, and streaming an int there crashed the
+// process (cuda-gdb: SIGSEGV in basic_ostream::_M_insert<long> under TORCH_CHECK).
+std::string join(const std::vector<int64_t>& xs) {
+    std::string s;
+    for (int64_t x : xs) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    return s;
+}
+
+}  // namespace
+
+std::vector<int64_t> compiled_head_dims() {
+    std::vector<int64_t> dims;
+    for (const KernelSet& k : kKernelSets) {
+        if (k.fwd != nullptr && std::find(dims.begin(), dims.end(), k.head_dim) == dims.end()) dims.push_back(k.head_dim);
+    }
+    std::sort(dims.begin(), dims.end());
+    return dims;
+}
+
+std::vector<std::string> compiled_dtypes() {
+    std::vector<std::string> names;
+    for (DType t : {DType::fp16, DType::bf16}) {
+        for (const KernelSet& k : kKernelSets) {
+            if (k.fwd != nullptr && k.dtype == t) {
+                names.push_back(dtype_name(t));
+                break;
+            }
+        }
+    }
+    return names;
+}
+
+std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype) {
+    std::vector<int64_t> archs;
+    for (const KernelSet& k : kKernelSets) {
+        if (k.fwd != nullptr && k.head_dim == head_dim && dtype == dtype_name(k.dtype)) archs.push_back(k.arch);
+    }
+    return archs;
+}
+
+Selection select_kernels(int d, DType dtype, int cc, int arch) {
+    if (arch == 0) {
+        if (const char* env = std::getenv("FLASHMASK_ARCH")) arch = std::atoi(env);
+    }
+    TORCH_CHECK(arch == 0 || arch == 80 || arch == 90, "flashmask: unknown kernel architecture ", std::to_string(arch),
+                " (FLASHMASK_ARCH / backend): choose 80 or 90");
+    TORCH_CHECK(arch == 0 || runs_on(arch, cc), "flashmask: the sm", std::to_string(arch),
+                " kernels cannot run on a device of compute capability ", std::to_string(cc));
+    const std::vector<int64_t> dims = compiled_head_dims();
+    const auto it = std::find_if(dims.begin(), dims.end(), [d](int64_t k) { return d <= k; });
+    TORCH_CHECK(it != dims.end(), "flashmask: head dim ", std::to_string(d),
+                " is larger than every head dim this build compiled (", join(dims),
+                "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
+    const int head_dim = int(*it);
+    const KernelSet* best = nullptr;
+    for (const KernelSet& k : kKernelSets) {
+        if (k.fwd == nullptr || k.head_dim != head_dim || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
+        if (arch != 0 && k.arch != arch) continue;
+        if (best == nullptr || k.arch > best->arch) best = &k;
+    }
+    TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),
+                "kernel compiled for head dim ", std::to_string(head_dim), " and dtype ", dtype_name(dtype),
+                " (this build: head dims ", join(dims), "; FLASHMASK_HEAD_DIMS / FLASHMASK_DTYPES / FLASHMASK_ARCHS)");
+    return {best, tiles_of(*best)};
+}
+
+}  // namespace flashmask

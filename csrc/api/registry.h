@@ -1,0 +1,51 @@
+// The kernels this build compiled, as a table generated from csrc/instantiations.py, and the
+// choice among them for a device, a head dim and a dtype.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "common/params.h"
+
+namespace flashmask {
+
+enum class DType { fp16, bf16 };
+
+using FwdFn = void (*)(const AttnParams&, cudaStream_t);
+using BwdFn = void (*)(const BwdParams&, cudaStream_t);
+
+// The kernels of one (architecture family, head dim, dtype); a family leaves the slots it lacks null.
+struct KernelSet {
+    int arch;  // 80: mma.sync kernels (sm_80 and later), 90: wgmma/TMA kernels (sm_90a)
+    int head_dim;
+    DType dtype;
+    FwdFn fwd;
+    BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
+    BwdFn bwd_dq;  // deterministic dQ
+};
+
+// Tile sizes a kernel set walks with: the binding sizes the mask bounds, the tile work and the dQ
+// accumulator with them.
+struct TileSizes {
+    int fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n;
+};
+
+struct Selection {
+    const KernelSet* kernels;
+    TileSizes tiles;
+};
+
+// The head dims and dtypes some architecture family compiled (sorted, unique).
+std::vector<int64_t> compiled_head_dims();
+std::vector<std::string> compiled_dtypes();
+// The architecture families compiled for (head dim, dtype), e.g. {80, 90}.
+std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
+
+// The kernels for head dim d (rounded up to the smallest compiled one that holds it) and dtype on
+// a device of compute capability `cc` (major * 10 + minor). `arch` 0 takes the newest family the
+// device runs, unless the environment variable FLASHMASK_ARCH names one; 80 or 90 asks for that
+// family and raises if it is not compiled or the device cannot run it.
+Selection select_kernels(int d, DType dtype, int cc, int arch);
+
+}  // namespace flashmask

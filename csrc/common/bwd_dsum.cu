@@ -1,0 +1,51 @@
+// The backward's preprocessing: D = rowsum(dO * O) - dLSE, one warp per row.
+#include <c10/cuda/CUDAException.h>
+#include <cutlass/numeric_types.h>
+
+#include "common/row_kernels.h"
+
+namespace flashmask {
+namespace {
+
+template <typename Element>
+__global__ void bwd_dsum_kernel(const Element* __restrict__ dout, const Element* __restrict__ out,
+                                const float* __restrict__ dlse, float* __restrict__ dsum, int sq, int hq, int d,
+                                int64_t do_b, int64_t do_s, int64_t do_h, int64_t o_b, int64_t o_s, int64_t o_h,
+                                int64_t rows) {
+    const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int i = row % sq;  // rows are ordered (b, h, i), like dsum
+    const int h = (row / sq) % hq;
+    const int64_t b = row / (int64_t(sq) * hq);
+    const Element* a = dout + b * do_b + i * do_s + h * do_h;
+    const Element* c = out + b * o_b + i * o_s + h * o_h;
+    float acc = 0.f;
+    for (int k = lane; k < d; k += 32) acc += float(a[k]) * float(c[k]);
+    for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    if (lane == 0) dsum[row] = acc - (dlse != nullptr ? dlse[row] : 0.f);
+}
+
+template <typename Element>
+void run(const BwdParams& p, const float* dlse, cudaStream_t stream) {
+    const int64_t rows = int64_t(p.b) * p.hq * p.sq;
+    if (rows == 0) return;
+    constexpr int kThreads = 256;
+    const int64_t grid = (rows * 32 + kThreads - 1) / kThreads;
+    bwd_dsum_kernel<Element><<<grid, kThreads, 0, stream>>>(
+        static_cast<const Element*>(p.dout), static_cast<const Element*>(p.o), dlse, const_cast<float*>(p.dsum), p.sq,
+        p.hq, p.d, p.do_batch_stride, p.do_row_stride, p.do_head_stride, p.o_batch_stride, p.o_row_stride,
+        p.o_head_stride, rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void run_bwd_dsum_fp16(const BwdParams& p, const float* dlse, cudaStream_t stream) {
+    run<cutlass::half_t>(p, dlse, stream);
+}
+void run_bwd_dsum_bf16(const BwdParams& p, const float* dlse, cudaStream_t stream) {
+    run<cutlass::bfloat16_t>(p, dlse, stream);
+}
+
+}  // namespace flashmask

@@ -1,7 +1,0 @@
-// One translation unit per (kernel, head dim, dtype) so that the build compiles them in parallel.
-#include "bwd_launch.h"
-#include "launch.h"
-
-namespace flashmask {
-void run_bwd_dq_hdim64_fp16(const BwdParams& p, cudaStream_t stream) { run_bwd_dq<64, cutlass::half_t>(p, stream); }
-}  // namespace flashmask

@@ -1,7 +1,0 @@
-// One translation unit per (kernel, head dim, dtype) so that the build compiles them in parallel.
-#include "fwd_launch.h"
-#include "launch.h"
-
-namespace flashmask {
-void run_fwd_hdim32_bf16(const AttnParams& p, cudaStream_t stream) { run_fwd<32, cutlass::bfloat16_t>(p, stream); }
-}  // namespace flashmask

@@ -1,0 +1,119 @@
+// Which tiles of the (query block x key block) grid a CTA must visit, from the causal bound and
+// the per-key-block interval bounds, and which of those need the element-wise compare. Both
+// architectures walk their blocks with these helpers; they know the tile sizes only as template
+// arguments.
+#pragma once
+#include "mask/intervals.h"
+
+namespace flashmask {
+
+struct TileCompare {
+    bool intervals;  // the column intervals cut the tile partly: test them per element
+    bool edges;      // the causal diagonal or the end of the keys crosses the tile
+    bool any;        // some element needs a test
+};
+
+__device__ __forceinline__ TileCompare tile_compare(const int* bnd, int r0, int r1, int c0, int block_n, int sk,
+                                                    bool causal, int causal_offset) {
+    TileCompare t{false, c0 + block_n > sk, false};  // keys past the end
+    if (causal) t.edges |= c0 + block_n - 1 > r0 + causal_offset;  // crosses the diagonal
+    if (bnd != nullptr) t.intervals = classify_tile(bnd, r0, r1).partial;
+    t.any = t.intervals || t.edges;
+    return t;
+}
+
+// The 8 bounds of one key block, held in registers.
+struct BlockBounds {
+    int v[kNumBounds];
+};
+
+__device__ __forceinline__ BlockBounds load_bounds(const int* row) {  // rows are 32-byte aligned
+    const int4 a = reinterpret_cast<const int4*>(row)[0];
+    const int4 c = reinterpret_cast<const int4*>(row)[1];
+    return {{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w}};
+}
+
+// Forward and dQ: a query tile [r0, r1) walks key blocks downwards. Callers fetch a block's
+// bounds (bounds_of) well before they need them, so that the load hides behind a GEMM.
+template <int kBlockN, bool Is_causal, bool Has_mask>
+struct KeyBlockWalk {
+    const int* bounds;  // this (batch, mask head)'s [n_key_blocks, 8], or nullptr
+    int r0, r1, sk, causal_offset;
+    int n_floor = 0;  // the walk stops below this block (split-KV: the start of the split)
+
+    __device__ BlockBounds bounds_of(int n) const {
+        return Has_mask && n >= n_floor ? load_bounds(bounds + n * kNumBounds) : BlockBounds{};
+    }
+
+    // One past the last key block any row of the tile may see.
+    __device__ int end() const {
+        int n = (sk + kBlockN - 1) / kBlockN;
+        if (Is_causal) {
+            const int last_key = r1 - 1 + causal_offset;
+            n = last_key < 0 ? 0 : min(n, last_key / kBlockN + 1);
+        }
+        return n;
+    }
+    // The largest visible block in [n_floor, n], or -1; `b` holds block n's bounds and is left
+    // holding the result's. Must be called by whole warps (uniform control flow).
+    __device__ int visible_at_or_below(int n, BlockBounds& b) const {
+        if (n < n_floor) return -1;
+        if (!Has_mask || !classify_tile(b.v, r0, r1).fully_masked) return n;
+        // Below a masked block there are often long masked runs (other documents, keys left of a
+        // window): each lane classifies one of the next 32 blocks, so a run costs one dependent
+        // load per 32 blocks instead of one per block.
+        const int lane = threadIdx.x % 32;
+        for (int top = n - 1; top >= n_floor; top -= 32) {
+            const int cand = top - lane;
+            const bool visible = cand >= n_floor &&
+                                 !classify_tile(load_bounds(bounds + cand * kNumBounds).v, r0, r1).fully_masked;
+            const unsigned ballot = __ballot_sync(0xffffffffu, visible);
+            if (ballot != 0u) {
+                n = top - (__ffs(ballot) - 1);
+                b = bounds_of(n);
+                return n;
+            }
+        }
+        return -1;
+    }
+    __device__ TileCompare compare(int n, const BlockBounds& b) const {
+        return tile_compare(Has_mask ? b.v : nullptr, r0, r1, n * kBlockN, kBlockN, sk, Is_causal, causal_offset);
+    }
+};
+
+// dK/dV: a key block [c0, c0 + BlockN) walks query blocks upwards, jumping over runs of rows that
+// one interval masks for every column of the block.
+template <int kBlockM, int kBlockN, bool Is_causal, bool Has_mask>
+struct QueryBlockWalk {
+    const int* bnd;  // this key block's 8 bounds (unused without a mask)
+    int c0, sq, sk, causal_offset, m_end;
+
+    __device__ int begin() const {
+        if (!Is_causal) return 0;
+        const int first_row = c0 - causal_offset;  // the first row that sees key c0
+        return first_row <= 0 ? 0 : min(first_row / kBlockM, m_end);
+    }
+    // The smallest visible block >= m, or m_end.
+    __device__ int visible_at_or_above(int m) const {
+        if (Has_mask) {
+            while (m < m_end) {
+                const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
+                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
+                    m = max(m + 1, bnd[kLteMin] / kBlockM);
+                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
+                    m = max(m + 1, bnd[kUteMin] / kBlockM);
+                } else {
+                    break;
+                }
+            }
+        }
+        return min(m, m_end);
+    }
+    __device__ TileCompare compare(int m) const {
+        const int r0 = m * kBlockM;
+        return tile_compare(Has_mask ? bnd : nullptr, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal,
+                            causal_offset);
+    }
+};
+
+}  // namespace flashmask

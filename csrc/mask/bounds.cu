@@ -1,0 +1,92 @@
+#include <c10/cuda/CUDAException.h>
+
+#include <climits>
+
+#include "mask/bounds.h"
+
+namespace flashmask {
+
+namespace {
+
+// One warp per key block: the lanes stride over the block's columns, then reduce.
+__global__ void mask_bounds_kernel(const int* __restrict__ mask, int* __restrict__ bounds, int total_blocks,
+                                   int n_blocks, int sk, int c, bool causal, int sq, int block_n) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= total_blocks) return;
+    const int n = warp % n_blocks;
+    const int* col = mask + int64_t(warp / n_blocks) * sk * c;
+    int lo[4] = {INT_MAX, INT_MAX, INT_MAX, INT_MAX};
+    int hi[4] = {INT_MIN, INT_MIN, INT_MIN, INT_MIN};
+    const int j_end = min((n + 1) * block_n, sk);
+    for (int j = n * block_n + lane; j < j_end; j += 32) {
+        const ColumnIntervals iv = read_column(col, j, c, causal, sq);
+        const int vals[4] = {iv.lts, iv.lte, iv.uts, iv.ute};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            lo[t] = min(lo[t], vals[t]);
+            hi[t] = max(hi[t], vals[t]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+#pragma unroll
+        for (int s = 16; s > 0; s /= 2) {
+            lo[t] = min(lo[t], __shfl_xor_sync(0xffffffffu, lo[t], s));
+            hi[t] = max(hi[t], __shfl_xor_sync(0xffffffffu, hi[t], s));
+        }
+    }
+    if (lane == 0) {
+        int* out = bounds + int64_t(warp) * kNumBounds;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            out[2 * t] = lo[t];
+            out[2 * t + 1] = hi[t];
+        }
+    }
+}
+
+// One warp per query tile: its lanes classify the key blocks up to the causal bound.
+__global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int total_tiles, int n_blocks,
+                                 int m_tiles, int block_m, int block_n, int sq, int sk, bool causal) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= total_tiles) return;
+    const int r0 = (warp % m_tiles) * block_m;
+    const int r1 = min(r0 + block_m, sq);
+    int n_end = n_blocks;
+    if (causal) {
+        const int last_key = r1 - 1 + sk - sq;
+        n_end = last_key < 0 ? 0 : min(n_end, last_key / block_n + 1);
+    }
+    const int* b = bounds + int64_t(warp / m_tiles) * n_blocks * kNumBounds;
+    int count = 0;
+    for (int n = lane; n < n_end; n += 32) count += !classify_tile(b + n * kNumBounds, r0, r1).fully_masked;
+    for (int s = 16; s > 0; s /= 2) count += __shfl_xor_sync(0xffffffffu, count, s);
+    if (lane == 0) work[warp] = count;
+}
+
+}  // namespace
+
+void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
+                      int block_n, int sq, int sk, bool causal, cudaStream_t stream) {
+    const int total = batch_heads * m_tiles;
+    if (total == 0) return;
+    constexpr int kThreads = 256;
+    tile_work_kernel<<<(total * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        bounds, work, total, n_blocks, m_tiles, block_m, block_n, sq, sk, causal);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
+                        int block_n, cudaStream_t stream) {
+    const int n_blocks = (sk + block_n - 1) / block_n;
+    const int total = batch_heads * n_blocks;
+    if (total == 0) return;
+    constexpr int kThreads = 256;
+    const int grid = (total * 32 + kThreads - 1) / kThreads;
+    mask_bounds_kernel<<<grid, kThreads, 0, stream>>>(mask, bounds, total, n_blocks, sk, c, causal, sq, block_n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace flashmask

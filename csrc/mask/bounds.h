@@ -1,0 +1,18 @@
+// Host entry points of the mask preprocessing kernels: per-key-block bounds (8 numbers per block,
+// O(Sk / BlockN)) and per-query-tile work, computed once per call and tile width.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "mask/intervals.h"
+
+namespace flashmask {
+
+// bounds [B, Hm, n_blocks, 8] <- min/max of each canonical vector over each block of block_n columns.
+void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
+                        int block_n, cudaStream_t stream);
+
+// work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits.
+void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
+                      int block_n, int sq, int sk, bool causal, cudaStream_t stream);
+
+}  // namespace flashmask

@@ -1,0 +1,55 @@
+// The FlashMask column-interval format as the kernels read it: one place that both architectures
+// include. docs/format.md is the contract this file implements.
+//
+// Every (causal, C) mode is read as two masked row intervals per key column j:
+//   lower [LTS[j], LTE[j])  and  upper [UTS[j], UTE[j]),
+// with absent vectors given neutral values (LTE = Sq: "to the last row"; UTS = UTE = 0: empty).
+// The causal triangle is handled separately by the kernels. Values outside [0, Sq] compare as if
+// clamped to it, and an interval whose start is past its end masks nothing: both fall out of the
+// comparisons below without a clamp.
+#pragma once
+#include <cstdint>
+
+namespace flashmask {
+
+enum Bound : int { kLtsMin = 0, kLtsMax, kLteMin, kLteMax, kUtsMin, kUtsMax, kUteMin, kUteMax, kNumBounds };
+
+struct ColumnIntervals {
+    int lts, lte, uts, ute;
+};
+
+// Reads column j of one (batch, mask head) slice `col` ([Sk, C] row-major) in canonical form.
+__host__ __device__ inline ColumnIntervals read_column(const int* col, int j, int c, bool causal, int sq) {
+    const int* v = col + int64_t(j) * c;
+    if (causal) return {v[0], c == 2 ? v[1] : sq, 0, 0};
+    if (c == 2) return {v[0], sq, 0, v[1]};
+    return {v[0], v[1], v[2], v[3]};
+}
+
+// How the query rows [r0, r1) meet one key block, from that block's 8 bounds.
+struct TileMask {
+    bool fully_masked;  // every (row, column) pair is masked by one interval: skip the tile
+    bool partial;       // some pair may be masked: run the element-wise compare
+};
+
+__host__ __device__ inline TileMask classify_tile(const int* b, int r0, int r1) {
+    TileMask t;
+    t.fully_masked = (r0 >= b[kLtsMax] && r1 <= b[kLteMin]) || (r0 >= b[kUtsMax] && r1 <= b[kUteMin]);
+    t.partial = (r1 > b[kLtsMin] && r0 < b[kLteMax]) || (r1 > b[kUtsMin] && r0 < b[kUteMax]);
+    return t;
+}
+
+// Whether query row `row` is masked for a key column whose C raw values are `v`, in the
+// (causal, C) mode fixed at compile time (the causal triangle is checked separately).
+template <bool Is_causal, int kC>
+__host__ __device__ __forceinline__ bool row_masked(const int (&v)[kC], int row) {
+    if constexpr (Is_causal) {
+        if constexpr (kC == 1) return row >= v[0];
+        else return row >= v[0] && row < v[1];
+    } else {
+        if constexpr (kC == 2) return row >= v[0] || row < v[1];
+        else return (row >= v[0] && row < v[1]) || (row >= v[2] && row < v[3]);
+    }
+}
+
+}  // namespace flashmask

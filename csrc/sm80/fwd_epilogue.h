@@ -1,0 +1,78 @@
+// How a forward CTA writes its query tile: the normalised output through shared memory with its
+// LSE, a split-KV partial result in fp32, or the zeros and +inf of a tile that no key reaches.
+#pragma once
+#include <cute/tensor.hpp>
+
+#include "common/params.h"
+#include "sm80/tile_ops.h"
+
+namespace flashmask::sm80 {
+using namespace cute;
+
+// Where a (batch, head, split) writes its rows: the output (or the fp32 partial output of a split)
+// and the LSE (or the split's partial LSE).
+template <typename Element>
+struct FwdOutput {
+    Element* o;       // row 0 of this (batch, head) in p.o
+    float* o_part;    // split-KV: row 0 of this split's [Sq, D] partial output, else nullptr
+    float* lse;       // row 0 of the LSE (or the split's partial LSE)
+    int64_t row_stride;
+    int d;
+
+    __forceinline__ __device__ FwdOutput(const AttnParams& p, int b, int h, int split_idx) {
+        const bool split = p.num_splits > 1;
+        const int64_t row_base = (int64_t(split_idx) * p.b * p.hq + int64_t(b) * p.hq + h) * p.sq;
+        o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+        o_part = split ? p.o_partial + row_base * p.d : nullptr;
+        lse = (split ? p.lse_partial : p.lse) + row_base;
+        row_stride = p.o_row_stride;
+        d = p.d;
+    }
+
+    // Rows [r0, r1) see no key: output 0 and LSE +inf (in a split, -inf: it adds nothing to the merge).
+    __forceinline__ __device__ void write_empty(int r0, int r1, int tidx, int threads) const {
+        for (int i = tidx; i < (r1 - r0) * d; i += threads) {
+            const int row = r0 + i / d, col = i % d;
+            if (o_part != nullptr) o_part[int64_t(row) * d + col] = 0.f;
+            else o[row * row_stride + col] = Element(0.f);
+        }
+        for (int r = r0 + tidx; r < r1; r += threads) lse[r] = o_part != nullptr ? -INFINITY : INFINITY;
+    }
+
+    // A split's normalised partial output stays fp32, written from registers. o_rc and coords are
+    // (rows, cols) views of the accumulator and its identity partition; lse per register row.
+    template <typename O, typename Coords>
+    __forceinline__ __device__ void write_partial(O const& o_rc, Coords const& coords, const float* row_lse, int r0,
+                                                  int r1, int tidx) const {
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(o_rc); ++mi) {
+            const int row = r0 + get<0>(coords(mi, 0));
+            if (row >= r1) continue;
+            CUTE_UNROLL
+            for (int di = 0; di < size<1>(o_rc); ++di) {
+                const int col = get<1>(coords(mi, di));
+                if (col < d) o_part[int64_t(row) * d + col] = o_rc(mi, di);
+            }
+            if (tidx % 4 == 0) lse[row] = row_lse[mi] == INFINITY ? -INFINITY : row_lse[mi];
+        }
+    }
+
+    // The output tile through shared memory sTile (free by now) as 16-byte coalesced stores, and the
+    // LSE from the first lane of each quad.
+    template <typename Traits, typename Acc, typename TiledMma, typename STile, typename Coords>
+    __forceinline__ __device__ void write(Acc const& acc_o, TiledMma const& mma, STile& sTile, Coords const& coords,
+                                          const float* row_lse, int r0, int r1, int tidx) const {
+        Tensor gO = make_tensor(make_gmem_ptr(o + r0 * row_stride), typename Traits::TileQ{}, make_stride(row_stride, _1{}));
+        store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_o, mma, sTile, gO,
+                                                                                          r1 - r0, d, tidx);
+        if (tidx % 4 == 0) {
+            CUTE_UNROLL
+            for (int mi = 0; mi < size<0>(coords); ++mi) {
+                const int row = r0 + get<0>(coords(mi, 0));
+                if (row < r1) lse[row] = row_lse[mi];
+            }
+        }
+    }
+};
+
+}  // namespace flashmask::sm80

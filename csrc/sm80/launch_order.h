@@ -1,0 +1,20 @@
+// The order in which CTAs of a (job, head) grid start: see AttnParams::head_group.
+#pragma once
+
+namespace flashmask::sm80 {
+
+struct JobHead {
+    int job;   // the forward's query-tile rank or the backward's key block
+    int head;  // query head
+};
+
+// CTA x of a launch with `jobs` jobs per head: heads are taken `group` at a time, and within a
+// group the heads vary fastest.
+__device__ __forceinline__ JobHead job_and_head(int x, int jobs, int group) {
+    const int per_group = jobs * group;
+    const int g = x / per_group;
+    const int r = x - g * per_group;
+    return {r / group, g * group + r % group};
+}
+
+}  // namespace flashmask::sm80

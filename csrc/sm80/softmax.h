@@ -1,0 +1,64 @@
+// Online softmax over key blocks with deferred normalisation (FlashAttention-2): each thread keeps
+// the running max and its partial row sums; the quad sum and the division happen once at the end.
+#pragma once
+#include <cmath>
+
+#include "sm80/tile_ops.h"
+
+namespace flashmask::sm80 {
+
+template <int kRows>
+struct OnlineSoftmax {
+    float row_max[kRows];
+    float row_sum[kRows];
+
+    __forceinline__ __device__ OnlineSoftmax() {
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+            row_max[i] = -INFINITY;
+            row_sum[i] = 0.f;
+        }
+    }
+
+    // s: scores of this block as (rows, cols), overwritten by exp(s - max); o: output accumulator
+    // as (rows, cols), rescaled to the new max.
+    template <typename S, typename O>
+    __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(s); ++mi) {
+            float m = row_max[mi];
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+            m = quad_max(m);
+            // A row with nothing visible yet keeps max -inf; offset 0 keeps exp2(-inf - 0) = 0, not NaN.
+            const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+            const float correction = exp2f(row_max[mi] * scale_log2 - m_scaled);
+            row_max[mi] = m;
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(s); ++ni) {
+                s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - m_scaled);
+                sum += s(mi, ni);
+            }
+            row_sum[mi] = row_sum[mi] * correction + sum;
+            CUTE_UNROLL
+            for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction;
+        }
+    }
+
+    // Normalises o and returns each row's log-sum-exp (natural log, +inf for rows nothing attends).
+    template <typename O>
+    __forceinline__ __device__ void finalize(O& o, float softmax_scale, float (&lse)[kRows]) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(o); ++mi) {
+            const float sum = quad_sum(row_sum[mi]);
+            const bool empty = sum == 0.f;
+            const float inv = empty ? 0.f : 1.f / sum;
+            lse[mi] = empty ? INFINITY : row_max[mi] * softmax_scale + __logf(sum);
+            CUTE_UNROLL
+            for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= inv;
+        }
+    }
+};
+
+}  // namespace flashmask::sm80

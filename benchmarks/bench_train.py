@@ -130,7 +130,7 @@ def parse_args(argv=None):
     for name in ("batch", "steps", "loss_chunk", "max_seqlen"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    min_vocab = example_utils.ByteTokenizer.vocab_size  # the model config's pad/bos/eos ids are 256-258
+    min_vocab = example_utils.byte_tokenizer.VOCAB_SIZE  # the model config's pad/bos/eos ids are 256-258
     if args.vocab_size < min_vocab:
         parser.error(f"--vocab-size must be >= {min_vocab}")
     if args.warmup_steps < 0:

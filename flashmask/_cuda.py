@@ -6,16 +6,25 @@ together.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 from typing import Optional, Tuple
 
 import torch
 
+# import_module rather than `from flashmask import _C`: when the extension is absent, the latter
+# fails with "cannot import name '_C' from partially initialized module", which reads like a
+# circular-import bug. unavailable_reason() says what actually happened.
 try:
-    from flashmask import _C  # built by setup.py when CUDA is available
+    _C = importlib.import_module("flashmask._C")  # built by setup.py when CUDA is available
     _IMPORT_ERROR: Optional[BaseException] = None
-except ImportError as e:  # pure-Python install
+except ImportError as e:  # pure-Python install, or a build that no longer loads
     _C = None
     _IMPORT_ERROR = e
+
+BUILD_COMMAND = ("pip install nvidia-cutlass==4.2.0.0 ninja && "
+                 "FLASHMASK_BUILD_CUDA=1 pip install --no-build-isolation -e .")
 
 
 def available() -> bool:
@@ -24,9 +33,32 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str:
+    """Why the kernels cannot run here, in words a user can act on (why, and how to build them)."""
     if _C is None:
-        return f"the CUDA extension flashmask._C is not built ({_IMPORT_ERROR})"
-    return "no CUDA device is available"
+        return _not_built_reason()
+    return "no CUDA device is available (torch.cuda.is_available() is False)"
+
+
+@functools.lru_cache(maxsize=None)
+def _not_built_reason() -> str:
+    how = f"build them from the flashmask checkout with: {BUILD_COMMAND} (README, 'GPU install')"
+    if importlib.util.find_spec("flashmask._C") is not None:  # a file exists but does not load
+        return (f"the CUDA kernels (flashmask._C) were built but do not load ({_IMPORT_ERROR}); this usually "
+                f"means torch changed since they were built: {how}")
+    if torch.version.cuda is None:
+        why = (f"the installed torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); "
+               "install a CUDA build of torch first, then")
+    else:
+        try:
+            from torch.utils.cpp_extension import CUDA_HOME
+        except Exception:  # noqa: BLE001 - only a diagnosis
+            CUDA_HOME = None
+        if CUDA_HOME is None:
+            why = "no CUDA toolkit was found (no nvcc on PATH, CUDA_HOME unset); install one, then"
+        else:
+            why = ("the install skipped them (FLASHMASK_BUILD_CUDA=0, or pip's build isolation hid the "
+                   "installed torch: build with --no-build-isolation);")
+    return f"the CUDA kernels (flashmask._C) were not built: {why} {how}"
 
 
 def has_backward() -> bool:
@@ -48,6 +80,24 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
     return _DTYPES
 
 
+# Kernel architecture families: 80 = mma.sync kernels (any GPU from sm_80), 90 = wgmma/TMA kernels
+# (sm_90a). ``backend="sm80"`` / ``"sm90"`` or the environment variable FLASHMASK_ARCH=80|90 force one.
+ARCHS = {"cuda": 0, "sm80": 80, "sm90": 90}
+
+
+def compiled_archs(head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
+    """The architecture families this build compiled for (head dim, dtype)."""
+    if _C is None:
+        return ()
+    return tuple(_C.archs(head_dim, str(dtype).replace("torch.", "")))
+
+
+def selected_arch(q: torch.Tensor, arch: int = 0) -> int:
+    """The architecture family a call with q would run on (raises like the call would)."""
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return _C.selected_arch(q.shape[-1], str(q.dtype).replace("torch.", ""), major * 10 + minor, arch)
+
+
 def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
     """Why this build of the extension has no kernel for q's head dim or dtype, or None.
 
@@ -65,15 +115,17 @@ def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
 
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
-        causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0,
+        arch: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only matters to the backward; it is an argument so that autograd saves it.
     # num_splits: split-KV CTAs per query tile (0: chosen from the shapes, 1: off).
-    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits)
+    # arch: the kernel family (0: the newest the device runs, or FLASHMASK_ARCH; 80; 90).
+    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
     return out, lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits=0):
+def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits=0, arch=0):
     b, sq, hq, _ = q.shape
     return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
 
@@ -81,28 +133,30 @@ def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministi
 @torch.library.custom_op("flashmask::bwd", mutates_args=(), device_types="cuda")
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: Optional[torch.Tensor], startend_row_indices: Optional[torch.Tensor],
-        causal: bool, softmax_scale: float, deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic)
+        causal: bool, softmax_scale: float, deterministic: bool,
+        arch: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
+                        arch)
     return dq, dk, dv
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic, arch=0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, startend_row_indices, causal, softmax_scale, deterministic, _ = inputs
+    q, k, v, startend_row_indices, causal, softmax_scale, deterministic, _, arch = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.arch = causal, softmax_scale, deterministic, arch
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
     dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dlse, startend_row_indices, ctx.causal,
-                     ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None
+                     ctx.softmax_scale, ctx.deterministic, ctx.arch)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -11,7 +11,7 @@ from flashmask import _checks, _cuda
 from flashmask.reference import reference_attention
 from masks.convert import merge_window, window_to_startend
 
-BACKENDS = ("auto", "cuda", "reference")
+BACKENDS = ("auto", "cuda", "sm80", "sm90", "reference")
 
 
 def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -27,10 +27,12 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             works without a copy: only the last dimension must be contiguous.
         k, v: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA / MQA).
         startend_row_indices: int32 ``[B, Hm, Sk, C]`` with ``Hm`` in ``{1, Hk, Hq}``: for each key
-            column the query rows that may not attend it (see :mod:`masks.format`; builders in
-            :mod:`masks`). ``None``: no mask beyond ``causal``.
-        causal: add the causal mask, aligned bottom-right when ``Sq != Sk``. Also selects how ``C``
-            is read: causal ``C`` in {1, 2}, non-causal ``C`` in {2, 4}.
+            column the query rows that may not attend it (the contract, with worked examples, is
+            docs/format.md; builders in :mod:`masks`). ``None``: no mask beyond ``causal``.
+            Values outside ``[0, Sq]`` act as if clamped to it, and an interval whose start is past
+            its end is empty.
+        causal: a bool: add the causal mask, aligned bottom-right when ``Sq != Sk``. Also selects
+            how ``C`` is read: causal ``C`` in {1, 2}, non-causal ``C`` in {2, 4}.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
             the mask where the result is expressible in the column-interval format.
@@ -38,8 +40,15 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``+inf`` on rows that no key may attend, whose output is 0).
         deterministic: bitwise reproducible gradients (a fixed dQ accumulation order in the kernel).
         backend: ``"auto"`` (the CUDA kernels when built and the inputs qualify, else the reference
-            path), ``"cuda"`` (raises if the kernels cannot run) or ``"reference"``.
-        validate: also check every mask value (one device sync); builders in :mod:`masks` already do.
+            path), ``"cuda"`` (raises if the kernels cannot run), ``"sm80"`` / ``"sm90"`` (the CUDA
+            kernels of that architecture family: ``"sm80"`` runs the mma.sync kernels on a Hopper GPU
+            too; the environment variable ``FLASHMASK_ARCH=80|90`` does the same for ``"cuda"``) or
+            ``"reference"``.
+        validate: also check every mask value: each must lie in ``[0, Sq]``, with ``LTS <= LTE`` and
+            ``UTS <= UTE``; a ``ValueError`` names the first bad (batch, head, column). It reads the
+            mask back to the host (one device sync per call), so it is off by default: the builders
+            in :mod:`masks` already check what they return. The shapes, dtype and ``C`` are always
+            checked.
 
     Returns:
         ``out`` ``[B, Sq, Hq, D]`` in the dtype of ``q``, and ``lse`` if ``return_lse``.
@@ -54,6 +63,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(causal, bool):  # a truthy string such as "no" would silently mean True
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     _checks.check_qkv(q, k, v)
     _checks.check_mask(startend_row_indices, q, k, causal, check_values=validate)
     if window_size is not None:
@@ -65,7 +76,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             startend_row_indices = merge_window(startend_row_indices, causal, tuple(window_size), q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
-    use_cuda = backend == "cuda"
+    use_cuda = backend in _cuda.ARCHS
     if backend != "reference":
         reason = _checks.kernel_unsupported_reason(q, k, v)
         if reason is None and not _cuda.available():
@@ -73,14 +84,19 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if reason is None:
             reason = _cuda.build_unsupported_reason(q)
         if reason is not None:
-            if backend == "cuda":
-                raise RuntimeError(f"backend='cuda' cannot run: {reason}")
+            if backend in _cuda.ARCHS:
+                raise RuntimeError(f"backend={backend!r} cannot run: {reason}")
             if q.is_cuda:
                 _warn_fallback(reason)
         use_cuda = reason is None
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        # Nothing to compute (Sq = 0, or no key: every row is empty); the reference path returns
+        # that result connected to autograd, with zero gradients.
+        use_cuda = False
 
     if use_cuda:
-        out, lse = _cuda.fwd(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic))
+        out, lse = _cuda.fwd(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0,
+                             _cuda.ARCHS.get(backend, 0))
     else:
         out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale)
     return (out, lse) if return_lse else out

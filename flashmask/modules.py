@@ -25,6 +25,8 @@ class FlashMaskAttention(nn.Module):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(causal, bool):  # fail at construction, not at the first forward
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
         self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
         self.layout, self.deterministic, self.backend = layout, deterministic, backend
 

@@ -37,14 +37,15 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qh = q.transpose(1, 2).to(acc)
     kh = k.transpose(1, 2).to(acc).repeat_interleave(hq // hk, dim=1)
     vh = v.transpose(1, 2).to(acc).repeat_interleave(hq // hk, dim=1)
-    if sk == 0:  # no key at all: every row is empty
-        return (q.new_zeros(b, sq, hq, v.shape[-1]),
-                torch.full((b, hq, sq), float("inf"), dtype=acc, device=q.device))
+    if sq == 0 or sk == 0:
+        # Nothing to attend (no key: every row is empty) or no row at all. The result still comes
+        # out of q, k and v through autograd, so that backward() runs and gives zero gradients.
+        s = torch.matmul(qh, kh.transpose(-1, -2))  # [B, H, Sq, 0] or [B, H, 0, Sk]
+        out = torch.matmul(s, vh).transpose(1, 2).to(q.dtype)  # zeros (a sum over no key)
+        return out, s.sum(-1) + float("inf")
     outs, lses = [], []
-    for r0 in range(0, max(sq, 1), chunk_size):
+    for r0 in range(0, sq, chunk_size):
         rows = slice(r0, min(sq, r0 + chunk_size))
-        if rows.start >= rows.stop:
-            break
         allowed = to_dense(startend_row_indices, causal, seqlen_q=sq, seqlen_k=sk, rows=rows)
         allowed = allowed.to(q.device)
         if allowed.shape[1] not in (1, hq):
@@ -62,7 +63,5 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(torch.matmul(e, vh) / safe)
         lse = torch.where(empty, torch.full_like(denom, float("inf")), m + torch.log(safe))
         lses.append(lse.squeeze(-1))
-    if sq == 0:
-        return q.new_empty(b, 0, hq, v.shape[-1]), q.new_empty(b, hq, 0, dtype=acc)
     out = torch.cat(outs, dim=2).transpose(1, 2).to(q.dtype)
     return out, torch.cat(lses, dim=2)

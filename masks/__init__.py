@@ -22,7 +22,7 @@ from .document import document_mask_mod
 from .format import Intervals, check_columns, to_dense, unpack, validate
 from .full import full_mask_mod
 from .global_sliding_window import global_sliding_window_mask_mod
-from .packed import from_cu_seqlens, from_position_ids
+from .packed import document_starts, from_cu_seqlens, from_position_ids
 from .plot import plot_mask, visible_fraction
 from .prefix_lm_causal import prefix_lm_causal_mask_mod
 from .prefix_lm_document import prefix_lm_document_mask_mod
@@ -53,6 +53,7 @@ random_eviction = random_eviction.random_eviction
 
 __all__ = [
     "FAMILIES", "Intervals", "check_columns", "unpack", "to_dense", "validate", "from_dense", "window_to_startend",
-    "merge_window", "from_cu_seqlens", "from_position_ids", "plot_mask", "visible_fraction", "eviction_rows",
+    "merge_window", "from_cu_seqlens", "from_position_ids", "document_starts", "plot_mask", "visible_fraction",
+    "eviction_rows",
     *FAMILIES, *(f"{n}_mask_mod" for n in FAMILIES),
 ]

@@ -105,8 +105,8 @@ def encode(r: Runs, causal: bool, num_columns: Optional[int], sq: int,
         lower = two | (one & ~top)
         cols = [torch.where(lower, ll, sq), torch.where(upper, fh, 0)]
     else:
-        # A lone run goes to LTS/LTE when it reaches the last row, else to UTS/UTE (as in SPEC's
-        # global + sliding window example); two runs fill both.
+        # A lone run goes to LTS/LTE when it reaches the last row, else to UTS/UTE (as in the global + sliding
+        # window example of docs/format.md); two runs fill both.
         lower = two | (one & bottom)
         upper = two | (one & ~bottom)
         cols = [torch.where(lower, ll, sq), torch.where(lower, lh, sq), torch.where(upper, fl, 0),

@@ -1,7 +1,7 @@
 """One representative mask per family at any length: the settings of the benchmarks and GPU tests.
 
 ``example(family, seqlen)`` returns ``(startend_row_indices, causal)``. Window and document sizes
-follow SPEC section 5 (sliding window 1024, 8 documents), shrunk for short sequences.
+follow the benchmark settings (sliding window 1024, 8 documents), shrunk for short sequences.
 
 Example::
 

@@ -13,7 +13,10 @@ False        4    LTS, LTE, UTS, UTE      ``[LTS, LTE)`` and ``[UTS, UTE)``
 ===========  ===  ======================  ==========================================
 
 Causal with ``Sq != Sk`` is aligned bottom-right: query ``i`` sees key ``j`` iff
-``j <= i + Sk - Sq``.
+``j <= i + Sk - Sq``. Values outside ``[0, Sq]`` act as if clamped to it and an interval whose
+start is past its end is empty (row ``i`` is masked by ``[start, end)`` iff ``start <= i < end``);
+``validate`` rejects both. The contract for users, with worked examples and pictures, is
+docs/format.md.
 """
 from __future__ import annotations
 
@@ -114,7 +117,8 @@ def validate(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: Optiona
     Checks the dtype (int32), rank, ``C`` against ``causal``, ``B``, ``Hm`` (1, Hk or Hq) and
     ``Sk`` against the given sizes and, with ``check_values``, that every value lies in
     ``[0, Sq]`` and that ``LTS <= LTE`` and ``UTS <= UTE``; a value error names the first bad
-    (batch, head, column). The value check reads the tensor back to the host (one sync).
+    (batch, head, column). The value check of a valid mask reads one flag back to the host (one
+    device sync).
     """
     t = startend_row_indices
     if not isinstance(t, torch.Tensor):
@@ -138,11 +142,15 @@ def validate(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: Optiona
     sq = sk if seqlen_q is None else int(seqlen_q)
     names = ("LTS", "LTE") if causal else (("LTS", "UTE") if t.shape[-1] == 2 else ("LTS", "LTE", "UTS", "UTE"))
     bad = (t < 0) | (t > sq)
+    pairs = [(lo, hi, what) for lo, hi, what in ((iv.lts, iv.lte, "LTS <= LTE"), (iv.uts, iv.ute, "UTS <= UTE"))
+             if lo is not None and hi is not None]
+    flags = [bad.any()] + [(lo > hi).any() for lo, hi, _ in pairs]
+    if not bool(torch.stack(flags).any()):  # the one read-back (device sync) of a valid mask
+        return
     if bad.any():
         _raise_first(bad.any(-1), f"values must lie in [0, Sq={sq}]", t, names)
-    pairs = [(iv.lts, iv.lte, "LTS <= LTE"), (iv.uts, iv.ute, "UTS <= UTE")]
     for lo, hi, what in pairs:
-        if lo is not None and hi is not None and (lo > hi).any():
+        if (lo > hi).any():
             _raise_first(lo > hi, f"each column needs {what}", t, names)
 
 

@@ -5,12 +5,19 @@ concatenate documents into one row and emit either cumulative lengths ``cu_seqle
 flash-attn varlen takes) or ``position_ids`` that restart at each document. Both become the
 causal-document (C=1: LTS = doc end) or document (C=2: LTS = doc end, UTE = doc start) format.
 
+The packed-sequence rule, the same everywhere in flashmask (this module, the Hugging Face backend,
+the collators): a new document starts at token 0 and wherever the position id does not grow by
+exactly 1 from the previous token, as transformers' ``masking_utils.find_packed_sequence_indices``
+decides. See docs/format.md, "Packed sequences".
+
 Example::
 
     >>> from_cu_seqlens(torch.tensor([0, 4, 7, 10]))[0, 0, :, 0].tolist()
     [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]
     >>> from_position_ids(torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]))[0, 0, :, 0].tolist()
     [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]
+    >>> document_starts(torch.tensor([0, 1, 2, 5, 6, 7])).int().tolist()  # a jump starts a document
+    [[1, 0, 0, 1, 0, 0]]
 """
 from __future__ import annotations
 
@@ -46,24 +53,44 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool = True, seqlen: Optio
     return finish([end] if causal else [end, start], causal, s, validate)
 
 
-def from_position_ids(position_ids: torch.Tensor, causal: bool = True, *, validate: bool = True) -> torch.Tensor:
-    """int32 ``[B, 1, S, C]`` from ``position_ids`` ``[B, S]`` (or ``[S]``) of packed rows.
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, S]``, True where a packed document starts, from ``position_ids`` ``[B, S]`` or ``[S]``.
 
-    A document starts at token 0 and wherever the position does not increase
-    (``pos[t] <= pos[t-1]``) or restarts at 0, so ``[0, 1, 2, 0, 1]`` is two
-    documents. Fully vectorised (cummax / reversed cummin), no host sync.
+    Token 0 starts a document, and so does every token whose position is not the previous one's
+    plus 1 (transformers' ``find_packed_sequence_indices`` rule): ``[0, 1, 2, 5, 6, 7]`` is two
+    documents, ``[0, 1, 2, 0, 1]`` two, ``[3, 4, 5]`` one. Vectorised, no host sync.
     """
     pos = torch.as_tensor(position_ids)
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
     if pos.dim() != 2 or pos.shape[1] < 1 or pos.dtype.is_floating_point or pos.dtype == torch.bool:
         raise ValueError(f"position_ids must be an integer tensor [B, S], got {pos.dtype} {tuple(pos.shape)}")
-    bsz, s = pos.shape
     first = torch.ones_like(pos[:, :1], dtype=torch.bool)
-    starts = torch.cat([first, (pos[:, 1:] <= pos[:, :-1]) | (pos[:, 1:] == 0)], 1)
-    t = torch.arange(s, device=pos.device).expand(bsz, s)
+    return torch.cat([first, pos[:, 1:] != pos[:, :-1] + 1], 1)
+
+
+def from_starts(starts: torch.Tensor, causal: bool = True, *, validate: bool = False) -> torch.Tensor:
+    """int32 ``[B, 1, S, C]`` document mask from bool "a document starts here" flags ``[B, S]``.
+
+    Causal: LTS = end of the token's document (C=1). Non-causal: (LTS, UTE) = (document end,
+    document start) (C=2). ``starts[:, 0]`` is taken as True.
+    """
+    bsz, s = starts.shape
+    starts = starts.clone()
+    starts[:, 0] = True
+    t = torch.arange(s, device=starts.device).expand(bsz, s)
     start = torch.where(starts, t, 0).cummax(1).values  # latest document start at or before t
     nxt = torch.where(starts, t, s)[:, 1:]  # the next start after t: suffix minimum
     nxt = torch.cat([nxt, nxt.new_full((bsz, 1), s)], 1)
     end = nxt.flip(1).cummin(1).values.flip(1)
     return finish([end] if causal else [end, start], causal, s, validate)
+
+
+def from_position_ids(position_ids: torch.Tensor, causal: bool = True, *, validate: bool = True) -> torch.Tensor:
+    """int32 ``[B, 1, S, C]`` from ``position_ids`` ``[B, S]`` (or ``[S]``) of packed rows.
+
+    Documents as :func:`document_starts` finds them: a new one wherever the position does not
+    grow by exactly 1, so ``[0, 1, 2, 0, 1]`` and ``[0, 1, 2, 5, 6]`` are both two documents.
+    Fully vectorised (cummax / reversed cummin), no host sync.
+    """
+    return from_starts(document_starts(position_ids), causal, validate=validate)

@@ -34,7 +34,7 @@ def random_startend(b: int, hm: int, sq: int, sk: int, causal: bool, c: int, dev
 
 def low_precision_attention(q, k, v, startend, causal, scale=None):
     """A plain PyTorch implementation in the inputs' dtype (scores and probabilities rounded to it):
-    the error baseline of SPEC section 6."""
+    the error baseline of the tolerance rule below."""
     from masks.format import to_dense
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -60,7 +60,7 @@ def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close_to_reference(out, lse, q, k, v, startend, causal, scale=None):
-    """SPEC section 6: error vs a float32 reference at most 2x the low-precision baseline's plus a
+    """The tolerance rule: error vs a float32 reference at most 2x the low-precision baseline's plus a
     small epsilon (a thousandth of the output's magnitude: about one rounding step of bf16)."""
     ref_out, ref_lse = reference_attention(q, k, v, startend, causal=causal, softmax_scale=scale)
     lp_out, lp_lse = low_precision_attention(q, k, v, startend, causal, scale)
@@ -80,12 +80,12 @@ def assert_close_to_reference(out, lse, q, k, v, startend, causal, scale=None):
 
 # ---------------------------------------------------------------------------------------------
 # An independent float64 oracle for the CPU tests (test_reference / test_api / test_modules).
-# Written directly from SPEC section 2 and the definition of softmax attention; it shares no code
+# Written directly from the table of docs/format.md and the definition of softmax attention; it shares no code
 # with flashmask.reference or masks.format.to_dense.
 # ---------------------------------------------------------------------------------------------
 
 def dense_from_intervals(startend, causal: bool, sq: int, sk: int) -> torch.Tensor:
-    """bool ``[B or 1, Hm or 1, Sq, Sk]`` (True = query i attends key j), from the SPEC table:
+    """bool ``[B or 1, Hm or 1, Sq, Sk]`` (True = query i attends key j), from the table of docs/format.md:
 
     causal C=1: masked rows >= LTS; causal C=2: rows in [LTS, LTE); both plus the causal triangle
     aligned bottom-right (i sees j iff j <= i + Sk - Sq); non-causal C=2: rows >= LTS or < UTE;

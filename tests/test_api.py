@@ -364,7 +364,7 @@ def test_validate_names_the_first_bad_column():
         _call(args, validate=True)
 
 
-@pytest.mark.parametrize("c,causal", MODES)
+@pytest.mark.parametrize("causal,c", MODES)
 def test_out_of_range_values_without_validate_act_as_clamped(c, causal):
     """validate=False (the default) never reads out of bounds: values outside [0, Sq] behave as the
     nearest bound would (rows >= -3 are all rows, rows < 99 are all rows)."""

@@ -119,7 +119,7 @@ def test_sft_collator_matches_causal_document_builder():
     docs = [{"input_ids": [1] * 4}, {"input_ids": [2] * 3}, {"input_ids": [3] * 3}]
     b = PackedSFTCollator(10, packing="sequential")(docs)
     assert torch.equal(b[MASK_KEY], masks.causal_document(10, [4, 3, 3]))
-    assert b[MASK_KEY][0, 0, :, 0].tolist() == [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]  # SPEC worked example
+    assert b[MASK_KEY][0, 0, :, 0].tolist() == [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]  # docs/format.md worked example
 
 
 def test_sft_collator_padding_to_multiple():

@@ -1,4 +1,6 @@
-"""The training examples run a few steps on the CPU with a tiny model and their loss falls."""
+"""The training examples on the CPU with a tiny model: the loss falls, checkpoints reload (with
+``--model`` and ``--resume``), and the loss curve is written."""
+import csv
 import os
 import subprocess
 import sys
@@ -31,6 +33,42 @@ def test_sft_packed_loss_falls(arch, capsys):
     assert _falls(res["losses"], 1.0), res["losses"]
     assert "tokens/s" in out and "peak mem" in out and "loss" in out
     assert res["tokens_per_s"] > 0
+    assert res["checkpoint"] is None and res["loss_csv"] is None  # no --output-dir: nothing written
+
+
+SFT_SHORT = COMMON + ["--max-length", "256", "--batch-size", "1"]
+
+
+def test_sft_checkpoints_resume_and_loss_curve(tmp_path):
+    straight = sft_packed.main(SFT_SHORT + ["--steps", "8", "--output-dir", str(tmp_path / "a")])
+    assert _falls(straight["losses"], 0.5), straight["losses"]
+    # Stop at 4 (checkpoint-4), resume to 8: the same losses as the uninterrupted run, so the model,
+    # the optimizer and the position in the data all came back from the checkpoint.
+    sft_packed.main(SFT_SHORT + ["--steps", "4", "--output-dir", str(tmp_path / "b")])
+    resumed = sft_packed.main(SFT_SHORT + ["--steps", "8", "--resume", str(tmp_path / "b")])
+    assert resumed["checkpoint"] == str(tmp_path / "b" / "checkpoint-8")
+    assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5, abs=1e-6)
+    # The loss curve: one CSV row per step (the resumed run rewrote the first four), and a PNG.
+    with open(resumed["loss_csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert {"loss", "tokens_per_s", "elapsed_s"} <= set(rows[0])
+    with open(tmp_path / "b" / "loss.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_reloads_as_a_hugging_face_model(tmp_path):
+    first = sft_packed.main(SFT_SHORT + ["--steps", "10", "--output-dir", str(tmp_path)])
+    ckpt = first["checkpoint"]
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    assert tok("hi", add_special_tokens=False)["input_ids"] == [104, 105] and tok.eos_token_id == 258
+    assert model.config.num_hidden_layers == 2
+    # --model CHECKPOINT goes on from the trained weights: its first loss is near where the first
+    # run ended, far below a fresh model's ln(320) = 5.77.
+    again = sft_packed.main(SFT_SHORT + ["--steps", "2", "--model", ckpt, "--seed", "1"])
+    assert again["first_loss"] < first["first_loss"] - 1.0, (first["losses"], again["losses"])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -50,13 +88,31 @@ def test_dpo_packed_with_sft_warmup_runs():
     assert len(res["losses"]) == 2
 
 
+def test_dpo_resume_reloads_policy_and_reference(tmp_path):
+    args = COMMON + ["--max-length", "256", "--batch-size", "2", "--lr", "3e-3", "--sft-steps", "2"]
+    straight = dpo_packed.main(args + ["--steps", "6", "--output-dir", str(tmp_path / "a")])
+    dpo_packed.main(args + ["--steps", "6", "--save-every", "3", "--output-dir", str(tmp_path / "b")])
+    resumed = dpo_packed.main(args + ["--steps", "6", "--resume", str(tmp_path / "b" / "checkpoint-3"),
+                                      "--output-dir", str(tmp_path / "c")])
+    assert os.path.isdir(tmp_path / "b" / "reference")
+    assert resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5, abs=1e-6)
+    assert resumed["accuracy"] == straight["accuracy"]
+
+
+def test_progress_bar_on_request(capsys):
+    sft_packed.main(SFT_SHORT + ["--steps", "2", "--progress", "on"])
+    err = capsys.readouterr().err
+    assert "sft_packed" in err and "2/2" in err and "tok_s=" in err
+
+
 @pytest.mark.parametrize("script", ["sft_packed.py", "dpo_packed.py"])
 def test_help_documents_the_options(script):
     r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     for opt in ("--model-size", "--max-length", "--steps", "--device", "--dtype", "--lr", "--log-every", "--arch",
-                "--batch-size", "--data"):
+                "--batch-size", "--data", "--model", "--output-dir", "--save-every", "--resume", "--progress",
+                "--data-split"):
         assert opt in r.stdout, opt
 
 
@@ -66,6 +122,12 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "--steps must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         dpo_packed.main(["--dtype", "float8"])
+    with pytest.raises(SystemExit):
+        sft_packed.main(["--model", "/nonexistent/model"])
+    assert "not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sft_packed.main(["--resume", "/nonexistent/run"])
+    assert "checkpoint" in capsys.readouterr().err
 
 
 def test_shipped_data_is_what_the_generator_writes(tmp_path):

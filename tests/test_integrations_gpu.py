@@ -2,9 +2,9 @@
 
 Same equivalences as tests/test_integrations_transformers.py (a packed batch = each document
 alone; shared-sequence DPO log-probs = separate sequences), plus the gradients of a packed SFT
-loss. Tolerance as in SPEC section 6: against a float32 oracle (the same bf16-rounded weights,
-each sequence alone with sdpa), the error of the packed flashmask run must stay within twice the
-error of plain bf16 sdpa on the separate sequences, plus a small epsilon.
+loss. Tolerance as in attn_helpers.assert_close_to_reference: against a float32 oracle (the same
+bf16-rounded weights, each sequence alone with sdpa), the error of the packed flashmask run must
+stay within twice the error of plain bf16 sdpa on the separate sequences, plus a small epsilon.
 """
 import copy
 

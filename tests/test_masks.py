@@ -1,9 +1,10 @@
-"""The mask families: SPEC worked examples, builder == dense definition, batching, errors, scale."""
+"""The mask families: the worked examples of docs/format.md, builder == dense definition, batching, errors, scale."""
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -12,48 +13,45 @@ from hypothesis import given, settings, strategies as st
 import masks
 from masks import FAMILIES, to_dense
 
-# Verbatim excerpt of SPEC.md section 2 (the worked examples and their pictures); a test checks that
-# the SPEC still contains it, so the examples below cannot drift from the specification silently.
-SPEC_EXAMPLES = """\
-- sliding window 3, causal, C=1: LTS = [3,4,5,6,7,8,9,10,10,10]
-- causal document, lengths 4,3,3, causal, C=1: LTS = [4,4,4,4,7,7,7,10,10,10]
-- document (bidirectional), non-causal, C=2: LTS = [4,4,4,4,7,7,7,10,10,10], UTE = [0,0,0,0,4,4,4,7,7,7]
-- share question (question 0-3, answer A 4-6, answer B 7-9), causal, C=1: LTS = [10,10,10,10,7,7,7,10,10,10]
-- global + sliding window (tokens 0-1 global), non-causal, C=4: LTS = [10,10,4,5,6,7,8,9,10,10],
-  LTE = [10]*10, UTS = [0,0,0,0,2,2,2,2,2,2], UTE = [0,0,0,0,3,4,5,6,7,8]
-- causal blockwise (blocks 0-3, 4-6; rows 7-9 see all), causal, C=2: LTS = [4,4,4,4,10,...], LTE = [7,7,7,7,10,...]
-- prefix-LM document (3 docs, prefix 2 each), non-causal, C=2: LTS = [3,3,3,5,5,10,10,10,10,10], UTE = [0,0,2,3,3,5,5,7,8,9]
-- prefix-LM causal (prefix 5), non-causal, C=2: LTS = [10]*10, UTE = [0,0,0,0,0,5,6,7,8,9]
-- QK-sparse, causal, C=2: LTS = [10,10,2,3,4,5,6,7,10,10], LTE = [10,10,5,5,5,5,8,8,10,10]
-"""
-SPEC_PICTURES = """\
-sliding     causal_doc  document    share_q     global_sw
-#.........  #.........  ####......  #.........  ##########
-##........  ##........  ####......  ##........  ##########
-###.......  ###.......  ####......  ###.......  ####......
-.###......  ####......  ####......  ####......  #####.....
-..###.....  ....#.....  ....###...  #####.....  ##.###....
-...###....  ....##....  ....###...  ######....  ##..###...
-....###...  ....###...  ....###...  #######...  ##...###..
-.....###..  .......#..  .......###  ####...#..  ##....###.
-......###.  .......##.  .......###  ####...##.  ##.....###
-.......###  .......###  .......###  ####...###  ##......##
-"""
-# Each SPEC example (by the start of its line) -> (family, builder arguments after seqlen=10).
-SPEC_CALLS = {
-    "sliding window 3": ("sliding_window", (3,)),
-    "causal document": ("causal_document", ([4, 3, 3],)),
-    "document (bidirectional)": ("document", ([4, 3, 3],)),
-    "share question": ("share_question", ([4, 3, 3],)),
-    "global + sliding window": ("global_sliding_window", (2, 2)),
-    "causal blockwise": ("causal_blockwise", ([4, 3],)),
-    "prefix-LM document": ("prefix_lm_document", ([3, 2, 5], 2)),
-    "prefix-LM causal": ("prefix_lm_causal", (5,)),
-    "QK-sparse": ("qk_sparse", ([(2, 6, 2, 5), (6, 8, 6, 8)],)),
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORMAT_DOC = os.path.join(ROOT, "docs", "format.md")
+# The worked examples of docs/format.md, by the start of their line -> family. The builder call and
+# the vectors come from the document itself, so the document cannot drift from the code silently.
+DOC_EXAMPLES = {
+    "sliding window 3": "sliding_window", "causal document": "causal_document",
+    "document (bidirectional)": "document", "share question": "share_question",
+    "global + sliding window": "global_sliding_window", "causal blockwise": "causal_blockwise",
+    "prefix-LM document": "prefix_lm_document", "prefix-LM causal": "prefix_lm_causal", "QK-sparse": "qk_sparse",
 }
 PICTURE_FAMILY = {"sliding": "sliding_window", "causal_doc": "causal_document", "document": "document",
-                  "share_q": "share_question", "global_sw": "global_sliding_window"}
+                  "share_q": "share_question", "global_sw": "global_sliding_window", "blockwise": "causal_blockwise",
+                  "prefix_doc": "prefix_lm_document", "prefix_lm": "prefix_lm_causal", "qk_sparse": "qk_sparse"}
 NAMES = {True: ("LTS", "LTE"), False: {2: ("LTS", "UTE"), 4: ("LTS", "LTE", "UTS", "UTE")}}
+
+
+def _section(title):
+    """The text of the docs/format.md section whose heading starts with ``title``."""
+    text = open(FORMAT_DOC).read()
+    m = re.search(r"^## " + re.escape(title) + r".*?$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"docs/format.md has no section '{title}'"
+    return m.group(1)
+
+
+def _pictures(section):
+    """``{column name: bool [rows, cols]}`` from the fenced ASCII pictures of a section."""
+    pics = {}
+    for block in re.findall(r"```\n(.*?)```", section, re.S):
+        lines = block.strip().splitlines()
+        if re.fullmatch(r"[#.]+", lines[0].split()[0]):  # one picture without a header: "_"
+            names, rows = ["_"], lines
+        else:
+            names, rows = lines[0].split(), lines[1:]
+        cols = {n: [] for n in names}
+        for line in rows:
+            for n, row in zip(names, line.split()):
+                cols[n].append([ch == "#" for ch in row])
+        pics.update({n: torch.tensor(p) for n, p in cols.items()})
+    return pics
 
 
 def _vector(text):
@@ -68,67 +66,91 @@ def _vector(text):
 
 
 def _parse_examples():
+    """label -> (causal, C, builder call, {vector name: 10 ints}) from the worked-example list."""
     out = {}
-    for entry in re.split(r"\n(?=- )", SPEC_EXAMPLES.strip()):
-        head, _, vectors = entry[2:].partition(": ")
-        label = next(k for k in SPEC_CALLS if head.startswith(k))
+    for line in re.findall(r"^- (.*)$", _section("Worked examples"), re.M):
+        head, _, vectors = line.partition("): ")
+        label = next(k for k in DOC_EXAMPLES if head.startswith(k))
+        head, _, call = head.partition(" (`")
         causal = ", causal," in head + "," and "non-causal" not in head
         c = int(re.search(r"C=(\d)", head).group(1))
         vecs = dict((n, _vector(v)) for n, v in re.findall(r"(LTS|LTE|UTS|UTE) = (\[[^\]]*\](?:\*\d+)?)", vectors))
-        out[label] = (causal, c, vecs)
+        out[label] = (causal, c, call.rstrip("`"), vecs)
     return out
 
 
-def _parse_pictures():
-    lines = SPEC_PICTURES.strip().splitlines()
-    names = lines[0].split()
-    pics = {n: [] for n in names}
-    for line in lines[1:]:
-        for n, row in zip(names, line.split()):
-            pics[n].append([ch == "#" for ch in row])
-    return {PICTURE_FAMILY[n]: torch.tensor(p) for n, p in pics.items()}
+def _build(call, namespace=masks):
+    """Evaluate a builder call written in the document, e.g. ``masks.sliding_window(10, 3)``."""
+    assert re.fullmatch(r"masks\.\w+\([\w\s,\[\]()]*\)", call), call
+    return eval(call, {"__builtins__": {}, "masks": namespace})
 
 
-def test_spec_excerpt_is_current():
-    spec = "/work/shared/SPEC.md"
-    if not os.path.exists(spec):
-        pytest.skip("SPEC.md not available")
-    text = open(spec).read()
-    assert SPEC_EXAMPLES in text and SPEC_PICTURES in text
+def _call_args(call, family):
+    """The arguments after seqlen of a documented builder call."""
+    return _build(call, types.SimpleNamespace(**{family: lambda seqlen, *args: args}))
 
 
-def test_spec_parsed_completely():
+def _list_of_ints(text):
+    return [int(x) for x in text.strip("[]").split(",")]
+
+
+def test_format_doc_parsed_completely():
     ex = _parse_examples()
-    assert set(ex) == set(SPEC_CALLS)
-    assert all(len(v) == 10 for _, _, vecs in ex.values() for v in vecs.values())
-    assert set(_parse_pictures()) == set(PICTURE_FAMILY.values())
+    assert set(ex) == set(DOC_EXAMPLES)
+    assert all(len(v) == 10 for *_, vecs in ex.values() for v in vecs.values())
+    assert set(_pictures(_section("Worked examples"))) == set(PICTURE_FAMILY)
 
 
-@pytest.mark.parametrize("label", list(SPEC_CALLS))
-def test_spec_index_vectors(label):
-    causal, c, vecs = _parse_examples()[label]
-    family, args = SPEC_CALLS[label]
+@pytest.mark.parametrize("label", list(DOC_EXAMPLES))
+def test_format_doc_index_vectors(label):
+    causal, c, call, vecs = _parse_examples()[label]
+    family = DOC_EXAMPLES[label]
     mod = FAMILIES[family]
     assert mod.CAUSAL == causal
-    m = getattr(mod, family)(10, *args)
+    assert call.startswith(f"masks.{family}(10")
+    m = _build(call)
     assert m.dtype == torch.int32 and m.shape == (1, 1, 10, c)
     names = NAMES[True] if causal else NAMES[False][c]
     assert set(vecs) == set(names[:c])
     for k, n in enumerate(names[:c]):
         assert m[0, 0, :, k].tolist() == vecs[n], n
-    # The dense definition agrees with the SPEC vectors as well.
-    dense = _dense_from_mask_mod(getattr(mod, f"{family}_mask_mod")(10, *args), 1, 10)
+    # The dense definition agrees with the documented vectors as well.
+    dense = _dense_from_mask_mod(getattr(mod, f"{family}_mask_mod")(10, *_call_args(call, family)), 1, 10)
     assert torch.equal(to_dense(m, causal), dense)
 
 
-@pytest.mark.parametrize("family", list(PICTURE_FAMILY.values()))
-def test_spec_pictures(family):
-    label = next(k for k, v in SPEC_CALLS.items() if v[0] == family)
-    args = SPEC_CALLS[label][1]
-    mod = FAMILIES[family]
-    pic = _parse_pictures()[family]
-    assert torch.equal(to_dense(getattr(mod, family)(10, *args), mod.CAUSAL)[0, 0], pic)
-    assert torch.equal(_dense_from_mask_mod(getattr(mod, f"{family}_mask_mod")(10, *args), 1, 10)[0, 0], pic)
+@pytest.mark.parametrize("name", list(PICTURE_FAMILY))
+def test_format_doc_pictures(name):
+    family = PICTURE_FAMILY[name]
+    label = next(k for k, v in DOC_EXAMPLES.items() if v == family)
+    causal, _, call, _ = _parse_examples()[label]
+    pic = _pictures(_section("Worked examples"))[name]
+    assert torch.equal(to_dense(_build(call), causal)[0, 0], pic)
+
+
+def test_format_doc_bottom_right_causal_picture():
+    pic = _pictures(_section("Causal with Sq != Sk"))["_"]
+    assert pic.shape == (4, 6)
+    assert torch.equal(to_dense(None, True, seqlen_q=4, seqlen_k=6)[0, 0], pic)
+
+
+def test_format_doc_out_of_range_example():
+    sec = _section("Values outside")
+    lts, lte = (_list_of_ints(re.search(name + r" = (\[[^\]]*\])", sec).group(1)) for name in ("LTS", "LTE"))
+    t = torch.tensor([lts, lte], dtype=torch.int32).T.reshape(1, 1, 4, 2)
+    assert torch.equal(to_dense(t, True)[0, 0], _pictures(sec)["_"])
+    with pytest.raises(ValueError, match="values must lie in"):
+        masks.validate(t, True)
+
+
+def test_format_doc_packed_rule_table():
+    rows = re.findall(r"^\| `(\[[^`]*\])` \| (.*?) \|$", _section("Packed sequences"), re.M)
+    assert len(rows) >= 4
+    for pos, docs in rows:
+        starts = masks.document_starts(torch.tensor(_list_of_ints(pos)))[0].tolist()
+        got = [i for i, s in enumerate(starts) if s]
+        want = [int(a) for a in re.findall(r"\[(\d+)(?:-\d+)?\]", docs)]
+        assert got == want, (pos, docs)
 
 
 # ---------------------------------------------------------------- builder == dense definition

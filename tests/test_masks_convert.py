@@ -207,7 +207,7 @@ def test_window_to_startend(left, right, sq, sk, causal):
 
 
 def test_window_to_startend_known_values():
-    # flash-attn window (2, 0) is the SPEC's sliding window 3.
+    # flash-attn window (2, 0) is the sliding window 3 of docs/format.md.
     assert window_to_startend((2, 0), 10, 10, True)[0, 0, :, 0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 10, 10]
     with pytest.raises(ValueError, match="window_size"):
         window_to_startend((-2, 0), 4, 4, True)
@@ -289,8 +289,8 @@ def test_from_position_ids_matches_document_builders(case, causal):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(-2, 6), min_size=1, max_size=16), st.booleans())
 def test_from_position_ids_general_restarts(pos, causal):
-    """A document starts where the position does not increase or is 0 (Python oracle)."""
-    starts = [t for t in range(len(pos)) if t == 0 or pos[t] <= pos[t - 1] or pos[t] == 0]
+    """A document starts where the position does not grow by exactly 1 (Python oracle)."""
+    starts = [t for t in range(len(pos)) if t == 0 or pos[t] != pos[t - 1] + 1]
     lens = [b - a for a, b in zip(starts, starts[1:] + [len(pos)])]
     build = masks.causal_document if causal else masks.document
     got = masks.from_position_ids(torch.tensor([pos]), causal=causal)

@@ -2,7 +2,7 @@
 
 The oracle (``attn_helpers.naive_attention``) is softmax(Q K^T * scale, masked) V written from the
 definition; its dense masks come from each family's ``*_mask_mod`` or from the interval table of
-SPEC section 2 written afresh (``attn_helpers.dense_from_intervals``), never from ``to_dense``.
+docs/format.md written afresh (``attn_helpers.dense_from_intervals``), never from ``to_dense``.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _check_matches(out, lse, ref_out, ref_lse, **tol):
 
 # --- the oracle itself --------------------------------------------------------------------------
 
-SPEC_PICTURES = {  # SPEC section 2, Sq = Sk = 10: (startend columns, causal, picture)
+SPEC_PICTURES = {  # docs/format.md worked examples, Sq = Sk = 10: (startend columns, causal, picture)
     "sliding": ([[3, 4, 5, 6, 7, 8, 9, 10, 10, 10]], True,
                 "#......... ##........ ###....... .###...... ..###..... ...###.... ....###... .....###.. "
                 "......###. .......###"),

@@ -1,25 +1,33 @@
 #!/usr/bin/env python
 """Packed supervised fine-tuning with the flashmask attention backend for transformers.
 
-Instruction/response pairs from a local JSONL file (``data/sft.jsonl`` by default, loaded with
-``datasets``) are tokenised byte by byte (see ``example_utils.ByteTokenizer``) as
-``<bos>User: {instruction}\\nAssistant: {response}<eos>`` and packed into rows of
-``--max-length`` tokens by :class:`flashmask.data.PackedSFTCollator`. Every document attends only
-to itself (a causal-document FlashMask mask, O(S) memory, no dense mask), its ``position_ids``
-restart at 0, and the loss covers the response tokens, never a prediction across two documents.
-The model is a randomly initialised Llama or Qwen2 running ``attn_implementation="fm_colmask"``.
+Instruction/response pairs (``data/sft.jsonl`` by default; any JSON/JSONL/Parquet/CSV file or a
+dataset name with ``--data``, fields chosen with ``--instruction-field`` / ``--response-field``)
+are tokenised as ``prompt + response + eos`` (the prompt through the tokenizer's chat template
+when it has one) and packed into rows of ``--max-length`` tokens by
+:class:`flashmask.data.PackedSFTCollator`. Every document attends only to itself (a
+causal-document FlashMask mask, O(S) memory, no dense mask), its ``position_ids`` restart at 0,
+and the loss covers the response tokens, never a prediction across two documents.
 
-Each log line shows the step, the loss, real (non-padding) tokens per second and peak memory
-(CUDA ``max_memory_allocated``, or the process' peak RSS on CPU).
+The model is ``--model PATH`` (any local Hugging Face causal LM with its tokenizer) or a randomly
+initialised Llama / Qwen2 preset with a byte-level tokenizer, running
+``attn_implementation="fm_colmask"``. A progress bar and a log line show the loss, tokens/s
+(smoothed over the last 20 steps) and peak memory; ``--output-dir`` gets ``save_pretrained``
+checkpoints, ``loss.csv`` and ``loss.png``; ``--resume`` continues a run.
 
 Examples::
 
     # CPU, a few seconds: the loss falls from ~5.8 (ln 320)
-    python training_examples/sft_packed.py --steps 30
+    python training_examples/sft_packed.py --steps 30 --output-dir runs/sft
 
-    # GPU: a Qwen2-0.5B-shaped model on packs of 32K tokens with the CUDA kernels
-    python training_examples/sft_packed.py --device cuda --arch qwen2 --model-size 0.5b \\
-        --max-length 32768 --batch-size 1 --steps 100 --lr 3e-4 --gradient-checkpointing
+    # continue to 60 steps, then fine-tune the result further on your own data
+    python training_examples/sft_packed.py --steps 60 --resume runs/sft
+    python training_examples/sft_packed.py --model runs/sft/checkpoint-60 --data my_pairs.parquet
+
+    # GPU: a local Qwen2.5-0.5B on packs of 32K tokens with the CUDA kernels
+    python training_examples/sft_packed.py --device cuda --model ~/models/Qwen2.5-0.5B \\
+        --max-length 32768 --batch-size 1 --steps 100 --lr 1e-5 --gradient-checkpointing \\
+        --output-dir runs/sft-qwen --save-every 50
 """
 from __future__ import annotations
 
@@ -35,8 +43,10 @@ import example_utils  # noqa: E402  (also puts the repository root on sys.path)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = example_utils.make_parser(__doc__, "sft.jsonl", "JSONL file with 'instruction' and 'response' fields",
+    p = example_utils.make_parser(__doc__, "sft.jsonl", "instruction/response pairs",
                                   default_lr=3e-3, default_steps=30)
+    p.add_argument("--instruction-field", default="instruction", help="field of the prompt (default: %(default)s)")
+    p.add_argument("--response-field", default="response", help="field of the answer (default: %(default)s)")
     p.add_argument("--loss-on-prompt", action="store_true", help="also train on the instruction tokens")
     p.add_argument("--attn-implementation", default=None,
                    help="transformers attention backend; default: the flashmask backend 'fm_colmask'. 'sdpa' "
@@ -47,57 +57,53 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def tokenize(example: Dict, tok: example_utils.ByteTokenizer, loss_on_prompt: bool) -> Dict[str, List[int]]:
-    prompt = tok.encode(example_utils.prompt_text(example["instruction"]), bos=True)
-    response = tok.encode(example["response"], eos=True)
-    mask = [1 if loss_on_prompt else 0] * len(prompt) + [1] * len(response)
+def tokenize(example: Dict, tok, args) -> Dict[str, List[int]]:
+    prompt = example_utils.prompt_ids(tok, example[args.instruction_field], not args.no_chat_template)
+    response = example_utils.answer_ids(tok, example[args.response_field])
+    mask = [1 if args.loss_on_prompt else 0] * len(prompt) + [1] * len(response)
     return {"input_ids": prompt + response, "completion_mask": mask}
 
 
+def load_documents(args, tok) -> List[Dict[str, List[int]]]:
+    records = example_utils.load_records(args.data, [args.instruction_field, args.response_field],
+                                         split=args.data_split, config=args.data_config,
+                                         max_samples=args.max_samples)
+    return [tokenize(r, tok, args) for r in records]
+
+
 def main(argv: Optional[List[str]] = None) -> Dict:
-    """Run the example; returns ``{"losses": [...], "first_loss", "last_loss", "tokens_per_s"}``."""
+    """Run the example; returns ``example_utils.train``'s summary (losses, tokens_per_s, checkpoint, ...)."""
     args = parse_args(argv)
     example_utils.resolve_device_dtype(args)
     import flashmask.integrations.transformers as fm_hf
     from flashmask.data import PackedSFTCollator
 
-    tok = example_utils.ByteTokenizer()
-    docs = [tokenize(ex, tok, args.loss_on_prompt) for ex in example_utils.load_jsonl(args.data)]
     attn = args.attn_implementation or fm_hf.ATTN_IMPLEMENTATION
-    model = example_utils.build_model(args.arch, args.model_size, attn_implementation=attn, max_length=args.max_length,
-                               vocab_size=tok.vocab_size, dtype=args.dtype, device=args.device, seed=args.seed,
-                               sliding_window=args.sliding_window)
-    model.train()
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    nparams = sum(p.numel() for p in model.parameters())
-    print(f"sft_packed: {args.arch}-{args.model_size} ({nparams / 1e6:.2f}M params, {args.dtype}) on {args.device}, "
-          f"attn_implementation={attn} [{example_utils.backend_note(args.device, args.dtype)}], {len(docs)} documents, "
+    model, tok = example_utils.load_model_and_tokenizer(args, attn)
+    docs = load_documents(args, tok)
+    size = lambda d: len(d["input_ids"])  # noqa: E731
+    stream = example_utils.PackedStream(docs, size, args.max_length, args.seed)
+    print(f"sft_packed: {args.model_desc} on {args.device}, attn_implementation={attn} "
+          f"[{example_utils.backend_note(args.device, args.dtype)}], {len(docs)} documents"
+          f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
           f"packs of {args.max_length} tokens x {args.batch_size}", flush=True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     collate = PackedSFTCollator(args.max_length, pad_token_id=tok.pad_token_id,
                                 padding="max_length" if args.device.type == "cuda" else "longest")
-    it, pending = example_utils.stream(docs, args.seed), []
-    meter, losses, rates = example_utils.Meter(args.device), [], []
-    for step in range(1, args.steps + 1):
-        rows = example_utils.take_rows(it, lambda d: len(d["input_ids"]), args.max_length, args.batch_size, pending)
+
+    def step(_):
+        rows = stream.rows(args.batch_size)
         batch = {k: v.to(args.device, non_blocking=True) for k, v in collate.collate_rows(rows).items()}
-        out = model(**batch, use_cache=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss.detach()))
-        meter.add(sum(len(d["input_ids"]) for row in rows for d in row))
-        if step % args.log_every == 0 or step == args.steps:
-            rate = meter.rate()
-            rates.append(rate)
-            print(f"step {step:5d} | loss {losses[-1]:.4f} | {rate:,.0f} tokens/s | {sum(len(r) for r in rows)} docs "
-                  f"| peak mem {example_utils.peak_memory_str(args.device)}", flush=True)
-    print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, peak mem {example_utils.peak_memory_str(args.device)}",
-          flush=True)
-    return example_utils.summary_dict(losses, {"tokens_per_s": rates[-1] if rates else None})
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        return loss, sum(size(d) for row in rows for d in row), {"docs": sum(len(r) for r in rows)}
+
+    res = example_utils.train(args, "sft_packed", model, tok, opt, stream, step,
+                              describe=lambda extras: f"{extras['docs']} docs")
+    print(f"done: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
+          f"peak mem {example_utils.peak_memory_str(args.device)}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

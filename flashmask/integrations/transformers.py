@@ -21,17 +21,21 @@ Select it when building a model::
 Where the mask comes from, in order of precedence (per call of the attention function):
 
 1. ``attn_mask_startend_row_indices``: a model keyword argument (the name PaddleNLP uses), an
-   int32 ``[B, Hm, S, C]`` FlashMask tensor (see :mod:`masks.format`), e.g. from
+   int32 ``[B, Hm, S, C]`` FlashMask tensor (see docs/format.md), e.g. from
    :class:`flashmask.data.PackedSFTCollator` or :class:`flashmask.data.ShareQuestionCollator`::
 
        model(input_ids=ids, position_ids=pos, attn_mask_startend_row_indices=startend)
+
+   Its values are checked once per batch (the first layer that sees a tensor checks it, with one
+   device sync; the other layers of the step get the same tensor object and skip the check).
 
 2. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what ``DataCollatorWithFlattening`` and TRL's
    padding-free collators emit with ``return_flash_attn_kwargs=True``): cumulative document
    lengths over the flattened ``B * S`` tokens; each document attends (causally) to itself only.
    A document never crosses a row boundary: every row starts a new one.
 3. restarting ``position_ids`` ``[B, S]`` (TRL packing / padding-free): a new document starts
-   wherever ``position_ids[t] != position_ids[t - 1] + 1``, the rule transformers itself uses.
+   wherever ``position_ids[t] != position_ids[t - 1] + 1``, the rule of transformers'
+   ``find_packed_sequence_indices`` and of :func:`masks.from_position_ids`.
    Only used when query and key lengths are equal (no KV cache in use).
 4. otherwise plain causal (or full, for a non-causal module) attention.
 
@@ -52,6 +56,7 @@ transformers 5.x), non-causal sliding windows and static KV caches. ``output_att
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -71,6 +76,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flashmask.attention import flashmask_attention
+from masks.format import validate as _validate_mask
+from masks.packed import document_starts, from_starts
 
 #: The ``attn_implementation`` name the backend is registered under.
 ATTN_IMPLEMENTATION = "fm_colmask"
@@ -360,6 +367,7 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
             startend = startend.to(torch.int32)
         if startend.device != device:
             startend = startend.to(device)
+        _check_user_mask_once(kwargs[MASK_KWARG], startend, causal, sq)
         if startend.shape[0] == 1 and bsz > 1:
             startend = startend.expand(bsz, -1, -1, -1)
         return startend.contiguous()
@@ -372,7 +380,7 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
             raise _unsupported("different query and key documents (cu_seq_lens_q != cu_seq_lens_k)")
         if sq != sk:
             raise _unsupported("cu_seq_lens_q/k together with a KV cache")
-        return _startend_from_starts(_starts_from_cu_seqlens(cu_q, bsz, sq, device), causal)
+        return from_starts(_starts_from_cu_seqlens(cu_q, bsz, sq, device), causal)
 
     position_ids = kwargs.get("position_ids")
     if use_position_ids and position_ids is not None and sq == sk and sq > 1 and position_ids.dim() in (1, 2) \
@@ -380,10 +388,35 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
         pos = position_ids.to(device).reshape(-1, sq)
         if pos.shape[0] != bsz:
             pos = pos.expand(bsz, -1)
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-        return _startend_from_starts(starts, causal)
+        return from_starts(document_starts(pos), causal)
     return None
+
+
+# (weak reference to the user's tensor, its version counter, causal, Sq) of the last mask checked.
+_checked_mask: list = []
+
+
+def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:
+    """Check the values of a mask that came from the user, once per batch.
+
+    Every layer of a forward pass gets the same tensor object, so only the first layer checks it
+    (one device sync per batch, not one per layer); an in-place change bumps the tensor's version
+    and makes the next call check again. Under ``torch.compile`` the check is left to eager runs.
+    """
+    if torch.compiler.is_compiling():
+        return
+    try:
+        version = user_tensor._version
+    except RuntimeError:  # inference-mode tensors have no version counter (and cannot change in place)
+        version = None
+    key = (version, bool(causal), sq)
+    if _checked_mask and _checked_mask[0]() is user_tensor and _checked_mask[1] == key:
+        return
+    try:
+        _validate_mask(startend, causal, sq)
+    except ValueError as e:
+        raise ValueError(f"{MASK_KWARG}: {e}") from None
+    _checked_mask[:] = [weakref.ref(user_tensor), key]
 
 
 def _starts_from_cu_seqlens(cu: torch.Tensor, bsz: int, seqlen: int, device) -> torch.Tensor:
@@ -395,22 +428,6 @@ def _starts_from_cu_seqlens(cu: torch.Tensor, bsz: int, seqlen: int, device) -> 
     starts = flat[:total].view(bsz, seqlen).clone()
     starts[:, 0] = True  # every row starts a document
     return starts
-
-
-def _startend_from_starts(starts: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Document mask from per-token "document starts here" flags ``[B, S]`` -> int32 ``[B, 1, S, C]``.
-
-    Causal: LTS = end of the token's document. Non-causal: (LTS, UTE) = (document end, start).
-    """
-    bsz, s = starts.shape
-    idx = torch.arange(s, device=starts.device).expand(bsz, s)
-    big = torch.full((bsz, 1), s, dtype=idx.dtype, device=starts.device)
-    nxt = torch.cat([torch.where(starts, idx, s)[:, 1:], big], dim=1)  # start of a doc after t, else S
-    end = nxt.flip(-1).cummin(-1).values.flip(-1)
-    cols = [end]
-    if not causal:
-        cols.append(torch.where(starts, idx, 0).cummax(-1).values)
-    return torch.stack(cols, dim=-1).to(torch.int32).unsqueeze(1)
 
 
 def _apply_attention_mask(startend: Optional[torch.Tensor], attention_mask: torch.Tensor, causal: bool,

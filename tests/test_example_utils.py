@@ -1,0 +1,127 @@
+"""The pieces of the training examples: data loading, the resumable stream, smoothed tokens/s,
+the byte tokenizer and prompt formatting."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "training_examples"))
+
+import byte_tokenizer  # noqa: E402
+import example_utils  # noqa: E402
+from train_log import Throughput  # noqa: E402
+
+ROWS = [{"instruction": f"What is {i} + 1?", "response": f"{i + 1}.", "extra": i} for i in range(7)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv"])
+def test_load_records_from_files(tmp_path, fmt):
+    path = str(tmp_path / f"data.{fmt}")
+    if fmt == "jsonl":
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in ROWS)
+    elif fmt == "json":
+        with open(path, "w") as f:
+            json.dump(ROWS, f)
+    else:
+        ds = datasets.Dataset.from_list(ROWS)
+        ds.to_parquet(path) if fmt == "parquet" else ds.to_csv(path, index=False)
+    got = example_utils.load_records(path, ["instruction", "response"])
+    assert got == [{"instruction": r["instruction"], "response": r["response"]} for r in ROWS]
+    assert len(example_utils.load_records(path, ["instruction"], max_samples=3)) == 3
+
+
+def test_load_records_glob_and_missing_field(tmp_path):
+    for k in range(2):
+        datasets.Dataset.from_list(ROWS[k * 3:(k + 1) * 3]).to_parquet(str(tmp_path / f"part{k}.parquet"))
+    assert len(example_utils.load_records(str(tmp_path / "part*.parquet"), ["response"])) == 6
+    assert len(example_utils.load_records(str(tmp_path), ["response"])) == 6  # a directory of data files
+    with pytest.raises(ValueError, match=r"no field 'answer'; its fields are \['instruction', 'response', 'extra'\]"):
+        example_utils.load_records(str(tmp_path / "part0.parquet"), ["instruction", "answer"])
+
+
+def test_load_records_by_dataset_name(monkeypatch):
+    """A name that is not a local path goes to datasets.load_dataset with the config and split."""
+    seen = {}
+
+    def fake(name, config=None, split=None, **kw):
+        seen.update(name=name, config=config, split=split)
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    got = example_utils.load_records("someone/some-pairs", ["response"], split="train[:10]", config="en")
+    assert seen == {"name": "someone/some-pairs", "config": "en", "split": "train[:10]"} and len(got) == 7
+
+    def offline(*a, **k):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match="not a local file or directory.*offline"):
+        example_utils.load_records("someone/some-pairs", ["response"])
+
+
+def test_packed_stream_resumes_where_it_stood():
+    items = [[0] * n for n in (3, 5, 2, 7, 4, 6, 1, 20)]  # 20 > max_length: skipped
+    a = example_utils.PackedStream(items, len, 10, seed=3)
+    assert a.dropped == 1
+    first = a.rows(5)
+    assert all(sum(map(len, row)) <= 10 and row for row in first)
+    state = a.state_dict()
+    rest = a.rows(7)  # crosses into later epochs
+    b = example_utils.PackedStream(items, len, 10, seed=3)
+    b.load_state_dict(state)
+    assert b.rows(7) == rest
+    with pytest.raises(ValueError, match="no sample fits"):
+        example_utils.PackedStream([[0] * 11], len, 10, seed=0)
+
+
+def test_throughput_is_smoothed_and_skips_warm_up():
+    m = Throughput(window=4)
+    m.update(1000, 5.0)  # the first step pays for warm-up
+    assert m.rate() == pytest.approx(200)
+    for k in range(8):  # alternating fast and slow steps of 1000 tokens
+        m.update(1000, 0.05 if k % 2 else 0.95)
+    assert m.rate() == pytest.approx(4000 / 2.0)  # the last 4 steps: 4000 tokens in 2 s
+
+
+def test_byte_tokenizer_ids_are_bytes_and_it_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = byte_tokenizer.byte_tokenizer()
+    text = "Héllo, wörld: 7 + 3 = 10\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8"))
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (256, 257, 258)
+    assert tok.decode(ids + [258], skip_special_tokens=True) == text
+    tok.save_pretrained(str(tmp_path))
+    again = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert again(text, add_special_tokens=False)["input_ids"] == ids and again.eos_token_id == 258
+
+
+def test_prompt_uses_the_chat_template_when_there_is_one():
+    tok = byte_tokenizer.byte_tokenizer()
+    plain = example_utils.prompt_ids(tok, "hi")
+    assert plain == [257] + list(b"User: hi\nAssistant: ")
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert bytes(example_utils.prompt_ids(tok, "hi")) == b"<user>hi<assistant>"
+    assert example_utils.prompt_ids(tok, "hi", use_chat_template=False) == plain
+    assert example_utils.answer_ids(tok, "ok") == list(b"ok") + [258]
+
+
+def test_find_checkpoint_takes_the_latest(tmp_path):
+    for step in (2, 10, 9):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        torch.save({}, d / example_utils.TRAINER_STATE)
+    (tmp_path / "checkpoint-11").mkdir()  # no trainer state: not a checkpoint
+    assert example_utils.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    assert example_utils.find_checkpoint(str(tmp_path / "checkpoint-2")) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(FileNotFoundError):
+        example_utils.find_checkpoint(str(tmp_path / "checkpoint-11"))

@@ -38,8 +38,9 @@ import torch  # noqa: E402
 
 METHODS = ("flashmask", "flex", "sdpa_dense", "sdpa_flash", "sdpa_cudnn")  # the default set
 # Opt-in methods (only when named in --methods): flashmask with deterministic=True, whose forward is
-# the default one, so it has backward rows only.
-EXTRA_METHODS = ("flashmask_det",)
+# the default one, so it has backward rows only; flashmask forced onto its SM80 kernels (on a Hopper
+# GPU "flashmask" runs the SM90 ones where they exist).
+EXTRA_METHODS = ("flashmask_det", "flashmask_sm80")
 ALL_METHODS = METHODS + EXTRA_METHODS
 METHOD_SKIP_MODES = {"flashmask_det": ("fwd",)}
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -598,11 +599,13 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
     than causal or none, a dense mask that does not fit).
     """
     sq = sk = p.seqlen
-    if method in ("flashmask", "flashmask_det"):
+    if method in ("flashmask", "flashmask_det", "flashmask_sm80"):
         import flashmask
         if opt.flashmask_backend == "cuda" and not flashmask.cuda.available():
             raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
         startend, causal, backend = p.startend, p.causal, opt.flashmask_backend
+        if method == "flashmask_sm80" and backend == "cuda":
+            backend = "sm80"
         deterministic = method == "flashmask_det"
 
         def attn(q, k, v):
@@ -611,9 +614,9 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
 
         _, bn = fwd_tile(p.head_dim)
         prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn))
-        if backend == "cuda" and not flashmask.cuda.has_backward() and not opt.force_backward:
+        if backend in ("cuda", "sm80") and not flashmask.cuda.has_backward() and not opt.force_backward:
             prep.no_backward = "n/a (no kernel)"
-        elif backend == "cuda" and not flashmask.cuda.has_backward():
+        elif backend in ("cuda", "sm80") and not flashmask.cuda.has_backward():
             prep.notes.append("bwd via reference path (no kernel)")
         return prep
 

@@ -31,11 +31,13 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
         "bwd_kv": Kernel("sm80/bwd_launch.h", "sm80::run_bwd_kv", "BwdParams"),
         "bwd_dq": Kernel("sm80/bwd_launch.h", "sm80::run_bwd_dq", "BwdParams"),
     },
-    "sm90": {},
+    "sm90": {
+        "fwd": Kernel("sm90/fwd_launch.h", "sm90::run_fwd", "AttnParams"),
+    },
 }
 # Head dims per architecture family (a subset of HEAD_DIMS); the binding runs any other head dim on
 # the sm80 kernels.
-ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": ()}
+ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 128)}
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # The registry's kernel slots: a family fills those it has.

@@ -105,7 +105,23 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     at::Tensor out = at::empty({b, sq, hq, d}, q.options());
     at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
     if (b == 0 || sq == 0 || hq == 0) return {out, lse};
-    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch));
+    Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch), Slot::fwd);
+    TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
+    {
+        // Split-KV runs on the SM80 kernels only (short query blocks against long keys).
+        const int ctas = b * hq * ((sq + sel.tiles.fwd_block_m - 1) / sel.tiles.fwd_block_m);
+        const int n_key_blocks = (k.size(1) + sel.tiles.fwd_block_n - 1) / sel.tiles.fwd_block_n;
+        const bool auto_splits = num_splits == 0;
+        if (auto_splits) num_splits = choose_num_splits(ctas, n_key_blocks);
+        if (num_splits > 1 && sel.kernels->arch != 80) {
+            if (auto_splits && arch != 0) {
+                num_splits = 1;  // a forced family without split-KV runs unsplit
+            } else {
+                TORCH_CHECK(arch == 0, "flashmask: split-KV (num_splits > 1) has no sm", num_str(arch), " kernel");
+                sel = select_kernels(d, dtype_of(q), device_cc(q), 80, Slot::fwd);
+            }
+        }
+    }
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     AttnParams p{};
     at::Tensor mask, bounds;
@@ -114,9 +130,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     p.lse = lse.data_ptr<float>();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     const int block_m = sel.tiles.fwd_block_m;
-    const int ctas = b * hq * ((sq + block_m - 1) / block_m);
-    TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
-    p.num_splits = num_splits == 0 ? choose_num_splits(ctas, p.n_key_blocks) : int(num_splits);
+    p.num_splits = int(num_splits);
     // The K and V of a GQA group are shared by its query heads.
     p.head_group = choose_head_group(hq, int64_t(2) * p.sk * d * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
     at::Tensor o_partial, lse_partial;
@@ -179,7 +193,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         dlse_c = dlse->to(at::kFloat).contiguous();
         TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
     }
-    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch));
+    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch), Slot::bwd);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     at::Tensor mask, bounds;
@@ -237,6 +251,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");
     m.def("selected_arch", [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch) {
         const flashmask::DType t = dtype == "float16" ? flashmask::DType::fp16 : flashmask::DType::bf16;
-        return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch)).kernels->arch);
-    }, "the architecture family a call would run on");
+        return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch), flashmask::Slot::fwd).kernels->arch);
+    }, "the architecture family a forward call would run on");
 }

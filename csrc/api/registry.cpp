@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "sm80/tile_config.h"
+#include "sm90/tile_config.h"
 
 namespace flashmask {
 
@@ -20,11 +21,16 @@ const char* dtype_name(DType t) { return t == DType::fp16 ? "float16" : "bfloat1
 bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
 
 TileSizes tiles_of(const KernelSet& k) {
-    // One case per architecture family; the sm90 kernels will add theirs.
-    const sm80::FwdTile f = sm80::fwd_tile(k.head_dim);
     const sm80::BwdTile b = sm80::bwd_tile(k.head_dim);
+    if (k.arch == 90) {
+        const sm90::FwdTile f = sm90::fwd_tile(k.head_dim);
+        return {f.block_m, f.block_n, b.block_m, b.block_n};
+    }
+    const sm80::FwdTile f = sm80::fwd_tile(k.head_dim);
     return {f.block_m, f.block_n, b.block_m, b.block_n};
 }
+
+bool has(const KernelSet& k, Slot slot) { return slot == Slot::fwd ? k.fwd != nullptr : k.bwd_kv != nullptr; }
 
 // Numbers in error messages go through std::to_string, never through c10::str's ostream: built
 // by a g++ newer than the libstdc++ it runs with (the H100 machine's /opt/gcc), the extension
@@ -68,7 +74,7 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype) 
     return archs;
 }
 
-Selection select_kernels(int d, DType dtype, int cc, int arch) {
+Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot) {
     if (arch == 0) {
         if (const char* env = std::getenv("FLASHMASK_ARCH")) arch = std::atoi(env);
     }
@@ -82,9 +88,15 @@ Selection select_kernels(int d, DType dtype, int cc, int arch) {
                 " is larger than every head dim this build compiled (", join(dims),
                 "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
     const int head_dim = int(*it);
+    // A family without a backward yet leaves the backward of a forced family to the newest that has one.
+    if (slot == Slot::bwd && arch != 0) {
+        bool any = false;
+        for (const KernelSet& k : kKernelSets) any |= k.arch == arch && has(k, slot) && k.head_dim == head_dim;
+        if (!any) arch = 0;
+    }
     const KernelSet* best = nullptr;
     for (const KernelSet& k : kKernelSets) {
-        if (k.fwd == nullptr || k.head_dim != head_dim || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
+        if (!has(k, slot) || k.head_dim != head_dim || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
         if (arch != 0 && k.arch != arch) continue;
         if (best == nullptr || k.arch > best->arch) best = &k;
     }

@@ -46,6 +46,9 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
 // a device of compute capability `cc` (major * 10 + minor). `arch` 0 takes the newest family the
 // device runs, unless the environment variable FLASHMASK_ARCH names one; 80 or 90 asks for that
 // family and raises if it is not compiled or the device cannot run it.
-Selection select_kernels(int d, DType dtype, int cc, int arch);
+// `slot` says whether the call needs the forward or the backward kernels: a family that lacks the
+// backward (the SM90 one, for now) runs the backward of the newest family that has it.
+enum class Slot { fwd, bwd };
+Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot);
 
 }  // namespace flashmask

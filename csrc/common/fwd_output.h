@@ -1,13 +1,13 @@
-// How a forward CTA writes its query tile: the normalised output through shared memory with its
-// LSE, a split-KV partial result in fp32, or the zeros and +inf of a tile that no key reaches.
+// Where and how a forward CTA writes its query tile, on (rows, cols) views of its accumulator that
+// either architecture provides: the output and LSE, a split-KV partial result in fp32, or the zeros
+// and +inf of a tile that no key reaches. The SM80 kernel stages the output through shared memory
+// (sm80/fwd_epilogue.h); the rest is shared.
 #pragma once
 #include <cute/tensor.hpp>
 
 #include "common/params.h"
-#include "sm80/tile_ops.h"
 
-namespace flashmask::sm80 {
-using namespace cute;
+namespace flashmask {
 
 // Where a (batch, head, split) writes its rows: the output (or the fp32 partial output of a split)
 // and the LSE (or the split's partial LSE).
@@ -45,34 +45,46 @@ struct FwdOutput {
     __forceinline__ __device__ void write_partial(O const& o_rc, Coords const& coords, const float* row_lse, int r0,
                                                   int r1, int tidx) const {
         CUTE_UNROLL
-        for (int mi = 0; mi < size<0>(o_rc); ++mi) {
-            const int row = r0 + get<0>(coords(mi, 0));
+        for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
+            const int row = r0 + cute::get<0>(coords(mi, 0));
             if (row >= r1) continue;
             CUTE_UNROLL
-            for (int di = 0; di < size<1>(o_rc); ++di) {
-                const int col = get<1>(coords(mi, di));
+            for (int di = 0; di < cute::size<1>(o_rc); ++di) {
+                const int col = cute::get<1>(coords(mi, di));
                 if (col < d) o_part[int64_t(row) * d + col] = o_rc(mi, di);
             }
             if (tidx % 4 == 0) lse[row] = row_lse[mi] == INFINITY ? -INFINITY : row_lse[mi];
         }
     }
 
-    // The output tile through shared memory sTile (free by now) as 16-byte coalesced stores, and the
-    // LSE from the first lane of each quad.
-    template <typename Traits, typename Acc, typename TiledMma, typename STile, typename Coords>
-    __forceinline__ __device__ void write(Acc const& acc_o, TiledMma const& mma, STile& sTile, Coords const& coords,
-                                          const float* row_lse, int r0, int r1, int tidx) const {
-        Tensor gO = make_tensor(make_gmem_ptr(o + r0 * row_stride), typename Traits::TileQ{}, make_stride(row_stride, _1{}));
-        store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_o, mma, sTile, gO,
-                                                                                          r1 - r0, d, tidx);
-        if (tidx % 4 == 0) {
+    // The LSE of the rows this thread holds, from the first lane of each quad.
+    template <typename Coords>
+    __forceinline__ __device__ void write_lse(Coords const& coords, const float* row_lse, int r0, int r1,
+                                              int tidx) const {
+        if (tidx % 4 != 0) return;
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(coords); ++mi) {
+            const int row = r0 + cute::get<0>(coords(mi, 0));
+            if (row < r1) lse[row] = row_lse[mi];
+        }
+    }
+
+    // The output straight from registers (pairs of neighbouring columns), and the LSE.
+    template <typename O, typename Coords>
+    __forceinline__ __device__ void write_rows(O const& o_rc, Coords const& coords, const float* row_lse, int r0, int r1,
+                                               int tidx) const {
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
+            const int row = r0 + cute::get<0>(coords(mi, 0));
+            if (row >= r1) continue;
             CUTE_UNROLL
-            for (int mi = 0; mi < size<0>(coords); ++mi) {
-                const int row = r0 + get<0>(coords(mi, 0));
-                if (row < r1) lse[row] = row_lse[mi];
+            for (int di = 0; di < cute::size<1>(o_rc); ++di) {
+                const int col = cute::get<1>(coords(mi, di));
+                if (col < d) o[row * row_stride + col] = Element(o_rc(mi, di));
             }
         }
+        write_lse(coords, row_lse, r0, r1, tidx);
     }
 };
 
-}  // namespace flashmask::sm80
+}  // namespace flashmask

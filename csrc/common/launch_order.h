@@ -1,7 +1,7 @@
 // The order in which CTAs of a (job, head) grid start: see AttnParams::head_group.
 #pragma once
 
-namespace flashmask::sm80 {
+namespace flashmask {
 
 struct JobHead {
     int job;   // the forward's query-tile rank or the backward's key block
@@ -17,4 +17,4 @@ __device__ __forceinline__ JobHead job_and_head(int x, int jobs, int group) {
     return {r / group, g * group + r % group};
 }
 
-}  // namespace flashmask::sm80
+}  // namespace flashmask

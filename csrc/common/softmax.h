@@ -1,11 +1,23 @@
 // Online softmax over key blocks with deferred normalisation (FlashAttention-2): each thread keeps
 // the running max and its partial row sums; the quad sum and the division happen once at the end.
+// Both architectures' accumulators (mma.sync m16n8 and wgmma m64nN) spread a row over the four
+// lanes of a quad, so one implementation serves both, on (rows, cols) views.
 #pragma once
 #include <cmath>
 
-#include "sm80/tile_ops.h"
+#include <cute/tensor.hpp>
 
-namespace flashmask::sm80 {
+namespace flashmask {
+
+// The four lanes of a quad share a row of the accumulator.
+__forceinline__ __device__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__forceinline__ __device__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 
 template <int kRows>
 struct OnlineSoftmax {
@@ -25,10 +37,10 @@ struct OnlineSoftmax {
     template <typename S, typename O>
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
         CUTE_UNROLL
-        for (int mi = 0; mi < size<0>(s); ++mi) {
+        for (int mi = 0; mi < cute::size<0>(s); ++mi) {
             float m = row_max[mi];
             CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+            for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
             m = quad_max(m);
             // A row with nothing visible yet keeps max -inf; offset 0 keeps exp2(-inf - 0) = 0, not NaN.
             const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
@@ -36,13 +48,13 @@ struct OnlineSoftmax {
             row_max[mi] = m;
             float sum = 0.f;
             CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(s); ++ni) {
+            for (int ni = 0; ni < cute::size<1>(s); ++ni) {
                 s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - m_scaled);
                 sum += s(mi, ni);
             }
             row_sum[mi] = row_sum[mi] * correction + sum;
             CUTE_UNROLL
-            for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction;
+            for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= correction;
         }
     }
 
@@ -50,15 +62,15 @@ struct OnlineSoftmax {
     template <typename O>
     __forceinline__ __device__ void finalize(O& o, float softmax_scale, float (&lse)[kRows]) {
         CUTE_UNROLL
-        for (int mi = 0; mi < size<0>(o); ++mi) {
+        for (int mi = 0; mi < cute::size<0>(o); ++mi) {
             const float sum = quad_sum(row_sum[mi]);
             const bool empty = sum == 0.f;
             const float inv = empty ? 0.f : 1.f / sum;
             lse[mi] = empty ? INFINITY : row_max[mi] * softmax_scale + __logf(sum);
             CUTE_UNROLL
-            for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= inv;
+            for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= inv;
         }
     }
 };
 
-}  // namespace flashmask::sm80
+}  // namespace flashmask

@@ -14,7 +14,7 @@
 #include "sm80/bwd_common.h"
 #include "sm80/bwd_traits.h"
 #include "sm80/dq_accum.h"
-#include "sm80/launch_order.h"
+#include "common/launch_order.h"
 #include "sm80/tile_ops.h"
 
 namespace flashmask::sm80 {

@@ -9,14 +9,14 @@
 #pragma once
 #include <cute/tensor.hpp>
 
+#include "common/launch_order.h"
 #include "common/params.h"
+#include "common/softmax.h"
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
 #include "sm80/fwd_epilogue.h"
 #include "sm80/kernel_traits.h"
-#include "sm80/launch_order.h"
-#include "sm80/softmax.h"
 #include "sm80/tile_ops.h"
 
 namespace flashmask::sm80 {
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     } else {
         // Q's buffer is free: every thread finished its last Q*K^T before the loop's final barrier.
         Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
-        output.template write<Traits>(acc_o, tiled_mma, sO, cO_rc, lse, r0, r1, tidx);
+        write_output<Traits>(output, acc_o, tiled_mma, sO, cO_rc, lse, r0, r1, tidx);
     }
 }
 

@@ -1,9 +1,9 @@
 // Register-tile building blocks shared by the kernels: layout views of MMA fragments, GEMM loops
-// over shared memory, predicated global->shared copies and quad reductions.
+// over shared memory, predicated global->shared copies and the output store.
 #pragma once
 #include <cute/tensor.hpp>
-#include <cutlass/array.h>
-#include <cutlass/numeric_conversion.h>
+
+#include "common/convert.h"
 
 namespace flashmask::sm80 {
 using namespace cute;
@@ -28,17 +28,6 @@ template <typename Layout>
 __forceinline__ __device__ constexpr auto acc_as_a_layout(Layout l) {
     auto d = logical_divide(l, Shape<Underscore, Underscore, _2>{});
     return make_layout(make_layout(get<0, 0>(d), get<0, 1>(d), get<2, 0>(d)), get<1>(d), get<2, 1>(d));
-}
-
-template <typename To, typename Engine, typename Layout>
-__forceinline__ __device__ auto convert_to(Tensor<Engine, Layout> const& in) {
-    using From = typename Engine::value_type;
-    constexpr int N = decltype(size(in))::value;
-    Tensor out = make_tensor<To>(in.layout());
-    cutlass::NumericArrayConverter<To, From, N> convert;
-    *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
-        convert(*reinterpret_cast<cutlass::Array<From, N> const*>(in.data()));
-    return out;
 }
 
 // acc += A * B with both operands read from shared memory by ldmatrix, one k-slice ahead of the MMAs.
@@ -115,16 +104,6 @@ __forceinline__ __device__ void store_tile(Acc const& acc, TiledMma const& mma, 
             if (get<0>(c) < max_rows && get<1>(c) < max_cols) copy(gmem_copy, src(_, m, k), dst(_, m, k));
         }
     }
-}
-
-// The four lanes of a quad share a row of an SM80 accumulator.
-__forceinline__ __device__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__forceinline__ __device__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 }  // namespace flashmask::sm80

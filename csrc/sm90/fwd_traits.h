@@ -1,0 +1,72 @@
+// Shared-memory layouts, wgmma tiles and the shared storage of the SM90 forward kernel.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "sm90/tile_config.h"
+
+namespace flashmask::sm90 {
+
+template <int kHeadDim_, typename Element_>
+struct FwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = fwd_tile(kHeadDim).block_m;
+    static constexpr int kBlockN = fwd_tile(kHeadDim).block_n;
+    static constexpr int kStages = fwd_tile(kHeadDim).stages;
+    static constexpr int kConsumerWarpgroups = fwd_tile(kHeadDim).consumer_warpgroups;
+    static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+    static constexpr int kNThreads = kConsumerThreads + 128;  // + one producer warpgroup
+    static_assert(kBlockM == 64 * kConsumerWarpgroups);
+
+    using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+    using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+    using TileS = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>;
+
+    // S = Q K^T with both operands in shared memory; O += P V with P in registers and V read
+    // through a transposed (MN-major) view. The consumer warpgroups split the rows, 64 each.
+    using AtomLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+    using TiledMmaQK = decltype(cute::make_tiled_mma(
+        cute::GMMA::ss_op_selector<Element, Element, float,
+                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+        AtomLayout{}));
+    using TiledMmaPV = decltype(cute::make_tiled_mma(
+        cute::GMMA::rs_op_selector<Element, Element, float,
+                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                   cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+        AtomLayout{}));
+
+    using SmemLayoutQ = decltype(cute::tile_to_shape(
+        cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kBlockM>,
+                                                            cute::Int<kHeadDim>>(),
+        TileQ{}));
+    using SmemLayoutKV = decltype(cute::tile_to_shape(
+        cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kBlockN>,
+                                                            cute::Int<kHeadDim>>(),
+        cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+    // V as (head dim, key, stage): the B operand of P V.
+    using SmemLayoutVt = decltype(cute::composition(
+        SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+    using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+    static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+    static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+        // The raw [BlockN, C] mask columns of a partial block, one buffer per consumer warpgroup.
+        alignas(16) int mask_cols[kConsumerWarpgroups][4 * kBlockN];
+        cutlass::arch::ClusterTransactionBarrier barrier_q;
+        typename Pipeline::SharedStorage pipeline_k;
+        typename Pipeline::SharedStorage pipeline_v;
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+}  // namespace flashmask::sm90

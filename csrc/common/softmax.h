@@ -36,6 +36,15 @@ struct OnlineSoftmax {
     // as (rows, cols), rescaled to the new max.
     template <typename S, typename O>
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
+        float correction[kRows];
+        update_scores(s, scale_log2, correction);
+        rescale(o, correction);
+    }
+
+    // update() in two steps, for a caller whose output accumulator an asynchronous GEMM is still
+    // writing: exponentiate s and keep each row's rescale factor, then rescale o once it is free.
+    template <typename S>
+    __forceinline__ __device__ void update_scores(S& s, float scale_log2, float (&correction)[kRows]) {
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
             float m = row_max[mi];
@@ -44,7 +53,7 @@ struct OnlineSoftmax {
             m = quad_max(m);
             // A row with nothing visible yet keeps max -inf; offset 0 keeps exp2(-inf - 0) = 0, not NaN.
             const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-            const float correction = exp2f(row_max[mi] * scale_log2 - m_scaled);
+            correction[mi] = exp2f(row_max[mi] * scale_log2 - m_scaled);
             row_max[mi] = m;
             float sum = 0.f;
             CUTE_UNROLL
@@ -52,9 +61,16 @@ struct OnlineSoftmax {
                 s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - m_scaled);
                 sum += s(mi, ni);
             }
-            row_sum[mi] = row_sum[mi] * correction + sum;
+            row_sum[mi] = row_sum[mi] * correction[mi] + sum;
+        }
+    }
+
+    template <typename O>
+    __forceinline__ __device__ static void rescale(O& o, const float (&correction)[kRows]) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(o); ++mi) {
             CUTE_UNROLL
-            for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= correction;
+            for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= correction[mi];
         }
     }
 

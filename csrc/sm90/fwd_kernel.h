@@ -59,10 +59,15 @@ struct TileJob {
     }
 };
 
+// Named barriers 1 and 2 guard the consumer warpgroups' mask buffers, 3 and 4 their pingpong turns.
+constexpr int kMaskBarrier = 1;
+constexpr int kPingpongBarrier = 3;
+
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool Has_mask = kMaskC > 0;
+    static_assert(Traits::kConsumerWarpgroups == 2, "the pingpong below alternates two warpgroups");
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
@@ -162,44 +167,92 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     OnlineSoftmax<kRows> softmax;
     int* smem_mask = shared.mask_cols[cwg];
 
-    shared.barrier_q.wait(0);
-    cutlass::PipelineState<Traits::kStages> state;
-    TileCompare compare = walk.compare(n_block, bnd);
-    while (n_block >= 0) {
-        const int c0 = n_block * kBlockN;
-        if (Has_mask && compare.intervals) {
-            // The warpgroup's previous readers of its mask buffer finished with the last block.
-            cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
-            stage_mask_columns<kBlockN, kMaskC, 128>(smem_mask, tile.mask.cols, c0, p.sk, ctid % 128);
+    // A partial block's mask columns go to the warpgroup's buffer once its last readers are done.
+    auto stage_mask = [&](int n, const TileCompare& cmp) {
+        if (Has_mask && cmp.intervals) {
+            cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);
+            stage_mask_columns<kBlockN, kMaskC, 128>(smem_mask, tile.mask.cols, n * kBlockN, p.sk, ctid % 128);
             cp_async_fence();
             cp_async_wait<0>();
-            cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+            cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);
         }
-        Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
-        pipeline_k.consumer_wait(state);
-        wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        warpgroup_wait<0>();
-        pipeline_k.consumer_release(state);
+    };
 
-        bnd = walk.bounds_of(n_block - 1);
-        const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
+    // The first block alone, then each next block's S = Q K^T runs on the tensor cores while this
+    // warpgroup waits for nothing: it is issued together with the previous block's O += P V, and
+    // the softmax of the new S runs while that P V is still in flight (O is rescaled after it).
+    Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
+    Tensor rP = make_tensor<Element>(acc_s.layout());
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+    float correction[kRows];
+    // exp(S - max) of block n, masked where it needs to be, and the rescale factors of O; then P.
+    auto softmax_of = [&](int n, const TileCompare& cmp) {
         Tensor s_rc = rowcol(acc_s);
-        if (compare.any) {
-            mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, tile.r0, c0, p.sk, walk.causal_offset, smem_mask);
+        if (cmp.any) {
+            mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, n * kBlockN, p.sk, walk.causal_offset, smem_mask);
         }
-        Tensor o_rc = rowcol(acc_o);
-        softmax.update(s_rc, o_rc, p.scale_log2);
+        softmax.update_scores(s_rc, p.scale_log2, correction);
+    };
+    auto store_p = [&]() {
+        Tensor converted = convert_to<Element>(acc_s);
+        CUTE_UNROLL
+        for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+    };
 
-        Tensor rP = convert_to<Element>(acc_s);
-        Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
-        pipeline_v.consumer_wait(state);
-        wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state.index()), acc_o);
+    // Pingpong: the two consumer warpgroups take turns issuing their GEMMs, so that one's softmax
+    // runs while the other's GEMMs keep the tensor cores busy. A warpgroup waits on its own named
+    // barrier, which the other one's arrival completes once that one has issued; warpgroup 0 goes first.
+    const int my_turn = kPingpongBarrier + cwg, other_turn = kPingpongBarrier + (cwg ^ 1);
+    auto wait_turn = [&]() { cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, my_turn); };
+    auto pass_turn = [&]() { cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads, other_turn); };
+    if (cwg == 1) pass_turn();
+
+    shared.barrier_q.wait(0);
+    cutlass::PipelineState<Traits::kStages> state_k, state_v;
+    {
+        const TileCompare cmp = walk.compare(n_block, bnd);
+        stage_mask(n_block, cmp);
+        pipeline_k.consumer_wait(state_k);
+        wait_turn();
+        wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+        pass_turn();
         warpgroup_wait<0>();
-        pipeline_v.consumer_release(state);
-        ++state;
-        if (n_next >= 0) compare = walk.compare(n_next, bnd);
-        n_block = n_next;
+        pipeline_k.consumer_release(state_k);
+        ++state_k;
+        softmax_of(n_block, cmp);  // O is still zero: nothing to rescale
+        store_p();
     }
+    bnd = walk.bounds_of(n_block - 1);
+    n_block = walk.visible_at_or_below(n_block - 1, bnd);
+    while (n_block >= 0) {
+        const TileCompare cmp = walk.compare(n_block, bnd);
+        stage_mask(n_block, cmp);
+        pipeline_k.consumer_wait(state_k);
+        pipeline_v.consumer_wait(state_v);
+        wait_turn();
+        wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+        wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+        pass_turn();
+        const int n = n_block;
+        bnd = walk.bounds_of(n - 1);
+        n_block = walk.visible_at_or_below(n - 1, bnd);
+        warpgroup_wait<1>();  // S is in; P V may still run
+        pipeline_k.consumer_release(state_k);
+        ++state_k;
+        softmax_of(n, cmp);
+        warpgroup_wait<0>();
+        pipeline_v.consumer_release(state_v);
+        ++state_v;
+        Tensor o_rc = rowcol(acc_o);
+        softmax.rescale(o_rc, correction);
+        store_p();
+    }
+    pipeline_v.consumer_wait(state_v);
+    wait_turn();
+    wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+    if (cwg == 0) pass_turn();  // warpgroup 1's last turn is its last: leave no arrival pending
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(state_v);
 
     float lse[kRows];
     Tensor o_rc = rowcol(acc_o);

@@ -1,0 +1,172 @@
+"""Activation checkpointing per layer, with the checkpoints (the layer inputs) offloaded to host memory.
+
+With every decoder layer checkpointed, what stays on the GPU between forward and backward is one
+``[B, S, hidden]`` tensor per layer: 24 layers x 1M tokens x 896 x 2 bytes = 43 GB for the
+0.39B benchmark model, more than half an H100. :func:`offload_checkpoint` is
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that also copies the layer's
+input to pinned host memory on a side stream and frees its GPU storage once the layer's forward
+has used it; a hook on the layer's output puts it back (host-to-device copy on the compute
+stream) just before the backward recomputes the layer. The tensor object stays the same, only
+its storage goes away and comes back, so autograd and the checkpoint's recompute see nothing.
+
+It pays when the layer inputs are what does not fit (long context, many layers) and the PCIe
+copies (2 x S x hidden x 2 bytes per layer and step, overlapped with compute in the forward)
+are small against the layer's compute. Do not combine it with anything that keeps the layer
+inputs for reading after the forward (``output_hidden_states=True``).
+
+Example (a transformers model)::
+
+    enable_activation_checkpointing(model, offload=True)   # every decoder layer
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["offload_checkpoint", "enable_activation_checkpointing", "OFFLOAD_MIN_BYTES"]
+
+#: Inputs smaller than this stay on the device (the copies would cost more than they save).
+OFFLOAD_MIN_BYTES = 1 << 20
+_streams: dict = {}
+
+
+def _side_stream(device: torch.device):
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+def _offloadable(x, min_bytes: int) -> bool:
+    if not isinstance(x, torch.Tensor) or x.numel() == 0 or x._base is not None or not x.is_contiguous():
+        return False
+    if x.device.type not in ("cuda", "cpu") or x.storage_offset() != 0:
+        return False
+    nbytes = x.numel() * x.element_size()
+    return nbytes >= min_bytes and x.untyped_storage().nbytes() == nbytes  # x owns its whole storage
+
+
+def _first_tensor(y):
+    if isinstance(y, torch.Tensor):
+        return y if y.requires_grad else None
+    if isinstance(y, (tuple, list)):
+        for t in y:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return t
+    return None
+
+
+class _HostCopy:
+    """A host copy of ``x``'s storage; ``x``'s device storage is freed until :meth:`restore`."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x, self.nbytes = x, x.untyped_storage().nbytes()
+        self.event = None
+        if x.is_cuda:
+            stream = _side_stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.host.copy_(x, non_blocking=True)
+                self.event = stream.record_event()
+            x.record_stream(stream)  # the freed block is not reused before the copy has read it
+        else:
+            self.host = x.detach().clone()
+        x.untyped_storage().resize_(0)
+
+    def restore(self, *_):
+        x = self.x
+        if x is None:
+            return None
+        st = x.untyped_storage()
+        if st.nbytes() == 0:
+            st.resize_(self.nbytes)
+            if x.is_cuda:
+                torch.cuda.current_stream(x.device).wait_event(self.event)
+                st.copy_(self.host.untyped_storage(), non_blocking=True)
+            else:
+                st.copy_(self.host.untyped_storage())
+        self.x = self.host = None
+        return None  # the gradient passes unchanged
+
+
+def offload_checkpoint(fn, *args, min_bytes: int = OFFLOAD_MIN_BYTES, **kwargs):
+    """``checkpoint(fn, *args, use_reentrant=False, **kwargs)``, with ``args[0]`` kept in host memory
+    between the forward and the backward (see the module docstring).
+
+    The offload is skipped (plain checkpointing) when gradients are off, when ``args[0]`` is not
+    a contiguous tensor owning its storage of at least ``min_bytes``, or when the output has no
+    tensor that requires grad. Drop-in for transformers' ``layer._gradient_checkpointing_func``.
+    """
+    y = checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    if not torch.is_grad_enabled() or not args or not _offloadable(args[0], min_bytes):
+        return y
+    out = _first_tensor(y)
+    if out is None:
+        return y
+    copy = _HostCopy(args[0])
+    out.register_hook(copy.restore)
+    return y
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layers=None,
+                                    min_bytes: int = OFFLOAD_MIN_BYTES,
+                                    auto_fraction: float = 0.25) -> torch.nn.Module:
+    """Checkpoint every layer of ``model`` (non-reentrant), optionally offloading the checkpoints.
+
+    A transformers model is switched with its own ``activation_checkpointing_enable`` /
+    ``gradient_checkpointing_enable`` (FSDP2's hooks stay outside the checkpoint), and with
+    ``offload`` every checkpointed layer uses :func:`offload_checkpoint`. Any other model: pass
+    ``layers`` (modules whose ``forward(x, ...)`` takes the activations first); their forward is
+    wrapped. Returns ``model``.
+
+    ``offload="auto"``: offload only where it pays, i.e. a layer input is moved to the host when
+    the inputs of all layers together would take more than ``auto_fraction`` of the GPU's memory
+    (``min_bytes`` = that share / number of layers); shorter rows stay on the GPU and pay no copies.
+    """
+    if offload not in (True, False, "auto"):
+        raise ValueError(f"offload must be True, False or 'auto', got {offload!r}")
+
+    def auto_min_bytes(n_layers: int) -> int:
+        p = next(model.parameters(), None)
+        if offload != "auto" or p is None or not p.is_cuda:
+            return min_bytes
+        total = torch.cuda.get_device_properties(p.device).total_memory
+        return max(min_bytes, int(auto_fraction * total / max(1, n_layers)))
+
+    kw = {"use_reentrant": False}
+    if layers is None:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        else:
+            raise ValueError("pass layers=... for a model that is not a transformers PreTrainedModel")
+        if offload:
+            try:
+                from transformers.modeling_layers import GradientCheckpointingLayer as _Layer
+            except ImportError:  # older transformers: every module that got a checkpoint function
+                _Layer = None
+            targets = [m for m in model.modules() if m is not model and getattr(m, "gradient_checkpointing", False)
+                       and hasattr(m, "_gradient_checkpointing_func") and (_Layer is None or isinstance(m, _Layer))]
+            if not targets:
+                raise ValueError(f"{type(model).__name__} has no checkpointed layers to offload")
+            func = functools.partial(offload_checkpoint, min_bytes=auto_min_bytes(len(targets)))
+            for m in targets:
+                m._gradient_checkpointing_func = func
+        return model
+    layers = list(layers)
+    threshold = auto_min_bytes(len(layers))
+    for layer in layers:
+        inner = layer.forward
+
+        def forward(*a, _inner=inner, _layer=layer, **k):
+            if not (torch.is_grad_enabled() and _layer.training):
+                return _inner(*a, **k)
+            if offload:
+                return offload_checkpoint(_inner, *a, min_bytes=threshold, **k)
+            return checkpoint(_inner, *a, use_reentrant=False, **k)
+
+        layer.forward = forward
+    return model

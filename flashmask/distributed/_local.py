@@ -1,0 +1,75 @@
+"""One rank's attention as explicit forward and backward steps (for the context-parallel autograd).
+
+The all-gather-KV attention needs the forward and the backward of a block of rows as separate
+calls, so that the collectives sit between them: the CUDA kernels' ``flashmask::fwd`` /
+``flashmask::bwd`` ops, or the reference path (forward under ``no_grad``; backward by
+recomputing the block with autograd, which is exact and only used where the kernels cannot run).
+The backend is chosen as :func:`flashmask.flashmask_attention` chooses it.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from flashmask import _checks, _cuda
+from flashmask import attention as _attention
+from flashmask.reference import reference_attention
+
+# The backends of flashmask_attention ("auto", "cuda", "reference", and the kernel families where
+# the build has them); the kernel ones map to the ``arch`` argument of the ops (0 = the default).
+BACKENDS = tuple(getattr(_attention, "BACKENDS", ("auto", "cuda", "reference")))
+_ARCHS = dict(getattr(_cuda, "ARCHS", {"cuda": 0}))
+_warned: set = set()
+
+
+def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> Optional[int]:
+    """The kernel family to run these inputs on (0 = the default one), or None for the reference
+    path: the same rule as ``flashmask_attention``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return None
+    reason = _checks.kernel_unsupported_reason(q, k, v)
+    if reason is None and not _cuda.available():
+        reason = _cuda.unavailable_reason()
+    if reason is None:
+        reason = _cuda.build_unsupported_reason(q)
+    if reason is None and not _cuda.has_backward():
+        reason = "the CUDA extension has no backward kernel"
+    if reason is not None:
+        if backend in _ARCHS:
+            raise RuntimeError(f"backend={backend!r} cannot run: {reason}")
+        if q.is_cuda and reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"flashmask.distributed: using the reference path (slow, O(Sq*Sk) memory) because {reason}",
+                          stacklevel=4)
+        return None
+    return _ARCHS.get(backend, 0)
+
+
+def fwd(q, k, v, mask: Optional[torch.Tensor], scale: float, arch: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of a block of rows: ``(out [B, n, Hq, D], lse [B, Hq, n])``; ``arch``
+    from :func:`use_kernels` (None: the reference path)."""
+    with torch.no_grad():
+        if arch is not None:
+            extra = (0, arch) if arch else ()  # (num_splits, arch) where a family is forced
+            return _cuda.fwd(q, k, v, mask, False, scale, False, *extra)
+        return reference_attention(q, k, v, mask, causal=False, softmax_scale=scale)
+
+
+def bwd(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], scale: float, arch: Optional[int],
+        deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of the block computed by :func:`fwd`."""
+    if arch is not None:
+        with torch.no_grad():
+            extra = (arch,) if arch else ()
+            return _cuda.bwd(dout.contiguous(), q, k, v, out, lse, None, mask, False, scale, deterministic, *extra)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.enable_grad():
+        # In the compute dtype, so that the partial dK/dV of a block are not rounded before the
+        # float32 sum over blocks and ranks (the caller casts the results back).
+        qq, kk, vv = (t.detach().to(acc).requires_grad_() for t in (q, k, v))
+        o, _ = reference_attention(qq, kk, vv, mask, causal=False, softmax_scale=scale)
+        return torch.autograd.grad(o, (qq, kk, vv), dout)

@@ -1,0 +1,169 @@
+"""What a rank needs to run context-parallel attention on its share of a sequence.
+
+A :class:`ContextParallelPlan` is made once per batch (the mask is the same in every layer) by
+:func:`make_plan` and then used by every attention call of the step:
+
+* ``mode="ulysses"``: rank ``r`` holds the contiguous rows ``[r * S / P, (r + 1) * S / P)``;
+  the global mask is used unchanged (each rank sees the whole sequence for its heads).
+* ``mode="allgather_kv"``: rank ``r`` holds the chunks that :func:`balance_chunks` gave it,
+  concatenated in ascending order; the plan keeps, for each of them, the chunk's mask (the
+  global column intervals restricted to the chunk's rows, :func:`slice_rows`) with its columns
+  put in the order in which the all-gather lays out the keys (rank 0's tokens, rank 1's, ...), so
+  that the gathered K/V need no reordering.
+
+``local_index`` (int64 ``[S / P]``) is the global position of each local token: shard any
+per-token tensor (input ids, position ids, shifted labels) with ``x[:, plan.local_index]``
+(:meth:`ContextParallelPlan.shard`), and position ids stay global, so RoPE is right.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+
+from flashmask.distributed import _comm
+from flashmask.distributed.balance import Balance, balance_chunks
+from flashmask.distributed.intervals import slice_rows
+
+MODES = ("ulysses", "allgather_kv")
+
+__all__ = ["ContextParallelPlan", "make_plan", "MODES"]
+
+
+@dataclass
+class ContextParallelPlan:
+    """See the module docstring. Build it with :func:`make_plan`.
+
+    Attributes:
+        mode: ``"ulysses"`` or ``"allgather_kv"``.
+        group: the context-parallel process group (``None``: the default group).
+        world, rank: its size and this rank's index in it.
+        seqlen: the global ``S`` (queries = keys).
+        causal: the flag the global mask is read with.
+        startend_row_indices: the global mask ``[B, Hm, S, C]`` or ``None``.
+        local_index: int64 ``[S / world]``: global position of each local token.
+        balance: the chunking (all-gather-KV only).
+        chunks: ``(lo, hi, r0, r1)`` per own chunk: local rows ``[lo, hi)`` are global rows
+            ``[r0, r1)`` (all-gather-KV only).
+        chunk_masks: the non-causal mask of each own chunk, columns in all-gather order
+            (``None`` where no mask is needed).
+    """
+
+    mode: str
+    group: Optional[object]
+    world: int
+    rank: int
+    seqlen: int
+    causal: bool
+    startend_row_indices: Optional[torch.Tensor]
+    local_index: torch.Tensor
+    balance: Optional[Balance] = None
+    chunks: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    chunk_masks: List[Optional[torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def local_len(self) -> int:
+        return self.seqlen // self.world
+
+    @property
+    def imbalance(self) -> float:
+        """Attention work of the busiest rank over the mean (1.0 for Ulysses: every rank
+        computes all rows for its share of the heads)."""
+        return 1.0 if self.balance is None else self.balance.imbalance
+
+    def to(self, device) -> "ContextParallelPlan":
+        """Move the plan's masks and indices to ``device`` (in place; returns the plan). The
+        attention calls do this on their first call with tensors on another device."""
+        device = torch.device(device)
+        move = lambda t: None if t is None else t.to(device)
+        if self.local_index.device != device:
+            self.local_index = self.local_index.to(device)
+        if self.startend_row_indices is not None and self.startend_row_indices.device != device:
+            self.startend_row_indices = move(self.startend_row_indices)
+        self.chunk_masks = [m if m is None or m.device == device else move(m) for m in self.chunk_masks]
+        return self
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a per-token tensor whose ``dim`` has length ``S``."""
+        if x.shape[dim] != self.seqlen:
+            raise ValueError(f"cannot shard a tensor with {x.shape[dim]} tokens in dim {dim}: the plan is for "
+                             f"S={self.seqlen}")
+        return x.index_select(dim, self.local_index.to(x.device))
+
+    def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Gather every rank's ``x_local`` (``S / world`` tokens in ``dim``) into the global order
+        (a collective: every rank must call it). Not differentiable; for checks and outputs."""
+        n = self.local_len
+        if x_local.shape[dim] != n:
+            raise ValueError(f"x_local has {x_local.shape[dim]} tokens in dim {dim}, the plan gives {n} per rank")
+        xs = x_local.movedim(dim, 0).contiguous()
+        buf = xs.new_empty((self.world * n,) + tuple(xs.shape[1:]))
+        _comm.all_gather(buf, xs, self.group)
+        order = (torch.arange(self.seqlen) if self.balance is None else self.balance.gather_order()).to(buf.device)
+        out = torch.empty_like(buf)
+        out[order] = buf
+        return out.movedim(0, dim)
+
+    def describe(self) -> str:
+        s = f"{self.mode} over {self.world} ranks, S={self.seqlen}, {self.local_len} tokens per rank"
+        if self.balance is not None:
+            b = self.balance
+            s += (f", {b.num_chunks} chunks of {b.chunk_size} ({b.strategy}), rank {self.rank} has "
+                  f"{self.balance.assignment[self.rank]}, work per rank {b.work.tolist()}, imbalance {b.imbalance:.3f}")
+        return s
+
+
+def make_plan(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: Optional[int] = None, *,
+              group=None, mode: str = "allgather_kv", num_chunks: Optional[int] = None, align: int = 128,
+              strategy: str = "greedy") -> ContextParallelPlan:
+    """The plan of this rank for a self-attention of ``S`` tokens under a global mask.
+
+    Args:
+        startend_row_indices: int32 ``[B, Hm, S, C]`` (every rank passes the same), or ``None``.
+        causal: as for :func:`flashmask.flashmask_attention`.
+        seqlen: ``S``; defaults to the mask's.
+        group: the context-parallel process group (``None``: the default group, or a single
+            process if torch.distributed is not initialised).
+        mode: ``"allgather_kv"`` (default) or ``"ulysses"``.
+        num_chunks, align, strategy: the chunking of all-gather-KV (see :func:`balance_chunks`).
+
+    Example (2 ranks, causal document mask)::
+
+        plan = make_plan(masks.causal_document(8192, [5000, 3192]), True, group=cp_group)
+        out_local = context_parallel_attention(q_local, k_local, v_local, plan)
+
+    Raises ``ValueError`` if ``S`` is not a multiple of ``world`` (Ulysses) or of
+    ``num_chunks * align`` (all-gather-KV).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if startend_row_indices is not None:
+        if startend_row_indices.dim() != 4:
+            raise ValueError(f"startend_row_indices must be [B, Hm, S, C], got {tuple(startend_row_indices.shape)}")
+        sk = startend_row_indices.shape[2]
+        if seqlen is not None and int(seqlen) != sk:
+            raise ValueError(f"seqlen={seqlen} but the mask has Sk={sk}")
+        seqlen = sk
+    if seqlen is None:
+        raise ValueError("seqlen is required when startend_row_indices is None")
+    seqlen = int(seqlen)
+    world, rank = _comm.world_and_rank(group)
+    dev = startend_row_indices.device if startend_row_indices is not None else None
+    if mode == "ulysses":
+        if seqlen % world:
+            raise ValueError(f"Ulysses needs S={seqlen} to be a multiple of the group size {world}: pad the batch "
+                             f"(flashmask.distributed.pad_packed_batch)")
+        n = seqlen // world
+        return ContextParallelPlan(mode, group, world, rank, seqlen, bool(causal), startend_row_indices,
+                                   torch.arange(rank * n, (rank + 1) * n, device=dev))
+    bal = balance_chunks(startend_row_indices, causal, seqlen, world, num_chunks, align, strategy)
+    order = bal.gather_order(dev)
+    chunks, chunk_masks, lo = [], [], 0
+    for r0, r1 in bal.bounds(rank):
+        chunks.append((lo, lo + r1 - r0, r0, r1))
+        lo += r1 - r0
+        m = slice_rows(startend_row_indices, causal, r0, r1, seqlen, seqlen, device=dev)
+        chunk_masks.append(None if m is None else m.index_select(2, order.to(m.device)).contiguous())
+    return ContextParallelPlan(mode, group, world, rank, seqlen, bool(causal), startend_row_indices,
+                               bal.indices(rank, dev), bal, chunks, chunk_masks)

@@ -7,6 +7,7 @@
 #pragma once
 #include <cute/tensor.hpp>
 
+#include "common/launch_order.h"
 #include "common/params.h"
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
@@ -14,7 +15,6 @@
 #include "sm80/bwd_common.h"
 #include "sm80/bwd_traits.h"
 #include "sm80/dq_accum.h"
-#include "common/launch_order.h"
 #include "sm80/tile_ops.h"
 
 namespace flashmask::sm80 {

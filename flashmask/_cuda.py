@@ -113,6 +113,28 @@ def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
     return None
 
 
+# The binding caches each mask's metadata (per-key-block bounds, the forward's tile order) keyed
+# on the mask tensor and its version counter, so that the layers of a step and their backward
+# reuse it (csrc/api/mask_cache.h). Environment variable FLASHMASK_MASK_CACHE=0 turns it off.
+# Call these outside torch.compile-traced code: Dynamo cannot trace into the pybind11 functions.
+@torch.compiler.disable
+def mask_cache_stats() -> Tuple[int, int]:
+    """(hits, misses) of the mask metadata cache since the last :func:`clear_mask_cache`; calls that
+    skip it (no mask, FLASHMASK_MASK_CACHE=0, CUDA graph capture, inference tensors) count as neither."""
+    if _C is None or not hasattr(_C, "mask_cache_stats"):
+        return (0, 0)
+    hits, misses = _C.mask_cache_stats()
+    return int(hits), int(misses)
+
+
+@torch.compiler.disable
+def clear_mask_cache() -> None:
+    """Drop every cached mask's metadata (its GPU memory returns to the caching allocator) and zero
+    the counts of :func:`mask_cache_stats`."""
+    if _C is not None and hasattr(_C, "mask_cache_clear"):
+        _C.mask_cache_clear()
+
+
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
         causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0,

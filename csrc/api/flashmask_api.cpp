@@ -1,5 +1,6 @@
-// Python binding: argument checks, output allocation, mask-bound preprocessing and dispatch to
-// the (architecture, head dim, dtype) instantiations that this build compiled (registry.h).
+// Python binding: argument checks, output allocation, the mask's metadata (per-block bounds and
+// tile order, cached per mask: mask_cache.h) and dispatch to the (architecture, head dim, dtype)
+// instantiations that this build compiled (registry.h).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -11,9 +12,9 @@
 #include <vector>
 
 #include "api/launch_policy.h"
+#include "api/mask_cache.h"
 #include "api/registry.h"
 #include "common/row_kernels.h"
-#include "mask/bounds.h"
 
 namespace flashmask {
 namespace {
@@ -58,11 +59,12 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 
 }  // namespace
 
-// Fills the fields shared by forward and backward; allocates the mask bounds for key blocks of
-// block_n columns (kept alive by `bounds`).
+// Fills the fields shared by forward and backward; takes the mask bounds for key blocks of block_n
+// columns and, when block_m > 0 (the forward), the order of its query tiles from the mask cache
+// (mask_cache.h; `meta` keeps them alive through the call).
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_n,
-                 at::Tensor& mask, at::Tensor& bounds, cudaStream_t stream) {
+                 const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_m,
+                 int block_n, MaskMeta& meta, cudaStream_t stream) {
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
     const int sk = k.size(1), hk = k.size(2);
     p.q = q.data_ptr();
@@ -78,7 +80,7 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.causal = causal;
     p.n_key_blocks = (sk + block_n - 1) / block_n;
     if (!startend_row_indices.has_value()) return;
-    mask = startend_row_indices->contiguous();
+    const at::Tensor& mask = *startend_row_indices;
     TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4, "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
     TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(), "flashmask: startend_row_indices must be on the device of q");
     const int hm = mask.size(1), c = mask.size(3);
@@ -86,10 +88,10 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
     TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
                 causal ? "True" : "False");
-    bounds = at::empty({b, hm, p.n_key_blocks, kNumBounds}, mask.options());
-    launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), b * hm, sk, c, causal, sq, block_n, stream);
-    p.mask = mask.data_ptr<int>();
-    p.bounds = bounds.data_ptr<int>();
+    meta = mask_metadata(mask, causal, sq, block_m, block_n, stream);
+    p.mask = meta.mask.data_ptr<int>();
+    p.bounds = meta.bounds.data_ptr<int>();
+    p.tile_order = block_m > 0 ? meta.order.data_ptr<int>() : nullptr;
     p.mask_c = c;
     p.hm = hm;
     p.q_per_mask_head = hq / hm;
@@ -124,12 +126,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     }
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     AttnParams p{};
-    at::Tensor mask, bounds;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_n, mask, bounds, stream);
+    MaskMeta meta;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_m, sel.tiles.fwd_block_n,
+                meta, stream);
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
-    const int block_m = sel.tiles.fwd_block_m;
     p.num_splits = int(num_splits);
     // The K and V of a GQA group are shared by its query heads.
     p.head_group = choose_head_group(hq, int64_t(2) * p.sk * d * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
@@ -139,17 +141,6 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
         lse_partial = at::empty({p.num_splits, b, hq, sq}, q.options().dtype(at::kFloat));
         p.o_partial = o_partial.data_ptr<float>();
         p.lse_partial = lse_partial.data_ptr<float>();
-    }
-    at::Tensor order;
-    if (p.mask != nullptr) {
-        // Longest tiles first: a few tiles may see far more keys than the rest (global tokens,
-        // a prefix), and started last they would finish alone.
-        const int m_tiles = (sq + block_m - 1) / block_m;
-        at::Tensor work = at::empty({b * p.hm, m_tiles}, bounds.options());
-        launch_tile_work(p.bounds, work.data_ptr<int>(), b * p.hm, p.n_key_blocks, m_tiles, block_m,
-                         sel.tiles.fwd_block_n, sq, p.sk, causal, stream);
-        order = work.argsort(/*stable=*/true, /*dim=*/1, /*descending=*/true).to(at::kInt);
-        p.tile_order = order.data_ptr<int>();
     }
     sel.kernels->fwd(p, stream);
     if (p.num_splits > 1) {
@@ -196,8 +187,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch), Slot::bwd);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
-    at::Tensor mask, bounds;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.bwd_block_n, mask, bounds, stream);
+    MaskMeta meta;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, /*block_m=*/0, sel.tiles.bwd_block_n, meta,
+                stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();
@@ -246,6 +238,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("bwd", &flashmask::bwd, "FlashMask attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("startend_row_indices"),
           py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"), py::arg("arch") = 0);
+    m.def("mask_cache_stats", &flashmask::mask_cache_stats, "(hits, misses) of the mask metadata cache since its last clear");
+    m.def("mask_cache_clear", &flashmask::mask_cache_clear, "empty the mask metadata cache and zero its counts");
     m.def("head_dims", &flashmask::compiled_head_dims);
     m.def("dtypes", &flashmask::compiled_dtypes);
     m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");

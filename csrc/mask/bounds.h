@@ -1,5 +1,6 @@
 // Host entry points of the mask preprocessing kernels: per-key-block bounds (8 numbers per block,
-// O(Sk / BlockN)) and per-query-tile work, computed once per call and tile width.
+// O(Sk / BlockN)) and per-query-tile work, computed once per mask and tile width (the binding
+// caches them: api/mask_cache.h).
 #pragma once
 #include <cuda_runtime.h>
 

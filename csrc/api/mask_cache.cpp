@@ -1,0 +1,224 @@
+#include "api/mask_cache.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <list>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "mask/bounds.h"
+
+namespace flashmask {
+namespace {
+
+// Entries kept, most recently used first. Each holds O(B * Hm * Sk) memory at most (a contiguous
+// copy of a strided mask), the rest is O(Sk / block_n) and O(Sq / block_m) per tile shape.
+constexpr size_t kCapacity = 16;
+
+// Why each field is in the key:
+// - impl: the tensor itself. A version number means something only against its own counter: views
+//   of one base share it, but aliases such as `x.data` or a tensor built on the same storage do
+//   not, so a key on the storage alone could match an alias whose counter never saw the write.
+//   The entry's weak reference keeps this address from being reused by another TensorImpl.
+// - data, sizes, strides, offset: `x.data = y` and other metadata swaps keep the TensorImpl and
+//   its counter but change what is read; sizes also hold B, Hm, Sk and C.
+// - version: every in-place write through any view bumps the counter the views share.
+// - device, stream: the metadata was computed on that stream; read from another one it would race
+//   with its computation, and its memory (freed on eviction) belongs to that stream's pool. The
+//   handle of the legacy default stream is the same on every device, hence the device.
+// - causal, sq: the bounds read each column through read_column(causal, sq), which clamps to Sq.
+// The tile sizes key the bounds (block_n) and tile orders (block_m, block_n) inside an entry.
+struct Key {
+    const c10::TensorImpl* impl;
+    const void* data;
+    std::vector<int64_t> sizes, strides;
+    int64_t offset;
+    uint32_t version;
+    int device;
+    cudaStream_t stream;
+    bool causal;
+    int sq;
+
+    bool operator==(const Key& o) const {
+        return std::tie(impl, data, sizes, strides, offset, version, device, stream, causal, sq) ==
+               std::tie(o.impl, o.data, o.sizes, o.strides, o.offset, o.version, o.device, o.stream, o.causal, o.sq);
+    }
+};
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct Entry {
+    Key key;
+    // Weak: the entry must not keep a mask the user dropped (and its memory) alive, only keep its
+    // TensorImpl's address from being reused; an expired entry is dropped at the next lookup.
+    WeakImpl owner;
+    at::Tensor copy;  // the contiguous copy of a strided mask; undefined when the mask was contiguous
+    std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
+    std::vector<std::pair<std::pair<int, int>, at::Tensor>> orders;  // by (block_m, block_n)
+};
+
+struct Cache {
+    std::mutex mu;
+    std::list<Entry> lru;
+    int64_t hits = 0, misses = 0;
+};
+
+// Never destroyed: a static destructor would free CUDA memory after the allocator is gone at exit.
+Cache& cache() {
+    static Cache* c = new Cache();
+    return *c;
+}
+
+template <class K>
+at::Tensor find(const std::vector<std::pair<K, at::Tensor>>& xs, const K& k) {
+    for (const auto& x : xs) {
+        if (x.first == k) return x.second;
+    }
+    return {};
+}
+
+// Capture: the metadata must be computed inside the graph (its kernels replay with it), and memory
+// allocated during capture belongs to the graph's private pool.
+bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    return status != cudaStreamCaptureStatusNone;
+}
+
+bool cache_disabled_by_env() {
+    const char* e = std::getenv("FLASHMASK_MASK_CACHE");
+    if (e == nullptr) return false;
+    for (const char* off : {"0", "false", "no", "off", "False", "FALSE", "OFF", "No", "NO"}) {
+        if (std::strcmp(e, off) == 0) return true;
+    }
+    return false;
+}
+
+at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block_n, cudaStream_t stream) {
+    const int sk = mask.size(2);
+    at::Tensor bounds = at::empty({mask.size(0), mask.size(1), (sk + block_n - 1) / block_n, kNumBounds}, mask.options());
+    launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), mask.size(0) * mask.size(1), sk, mask.size(3),
+                       causal, sq, block_n, stream);
+    return bounds;
+}
+
+// Longest tiles first: a few tiles may see far more keys than the rest (global tokens, a prefix),
+// and started last they would finish alone.
+at::Tensor compute_order(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m, int block_n,
+                         cudaStream_t stream) {
+    const int batch_heads = bounds.size(0) * bounds.size(1);
+    const int m_tiles = (sq + block_m - 1) / block_m;
+    at::Tensor work = at::empty({batch_heads, m_tiles}, bounds.options());
+    launch_tile_work(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads, bounds.size(2), m_tiles, block_m,
+                     block_n, sq, sk, causal, stream);
+    return work.argsort(/*stable=*/true, /*dim=*/1, /*descending=*/true).to(at::kInt);
+}
+
+// Fills what `m` lacks; returns whether anything was computed.
+bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n,
+              cudaStream_t stream) {
+    bool computed = false;
+    if (!m.mask.defined()) m.mask = user_mask.contiguous();
+    if (!m.bounds.defined()) {
+        m.bounds = compute_bounds(m.mask, causal, sq, block_n, stream);
+        computed = true;
+    }
+    if (block_m > 0 && !m.order.defined()) {
+        m.order = compute_order(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, stream);
+        computed = true;
+    }
+    return computed;
+}
+
+}  // namespace
+
+MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n,
+                       cudaStream_t stream) {
+    MaskMeta m;
+    c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
+    // Inference tensors have no version counter: an in-place change to them could not be seen.
+    if (cache_disabled_by_env() || !impl->version_counter().enabled() || capturing(stream)) {
+        complete(m, user_mask, causal, sq, block_m, block_n, stream);
+        return m;
+    }
+    Key key{impl,
+            user_mask.const_data_ptr(),
+            user_mask.sizes().vec(),
+            user_mask.strides().vec(),
+            user_mask.storage_offset(),
+            impl->version_counter().current_version(),
+            user_mask.get_device(),
+            stream,
+            causal,
+            sq};
+    Cache& c = cache();
+    // Entries leave the cache into `dropped`, which frees their tensors after the lock is released.
+    std::list<Entry> dropped;
+    {
+        std::lock_guard<std::mutex> lock(c.mu);
+        for (auto it = c.lru.begin(); it != c.lru.end();) {
+            auto next = std::next(it);
+            if (it->owner.expired()) {
+                dropped.splice(dropped.end(), c.lru, it);
+            } else if (it->key == key) {
+                c.lru.splice(c.lru.begin(), c.lru, it);
+                m.mask = it->copy.defined() ? it->copy : user_mask;
+                m.bounds = find(it->bounds, block_n);
+                if (block_m > 0) m.order = find(it->orders, std::make_pair(block_m, block_n));
+            }
+            it = next;
+        }
+    }
+    // Computed outside the lock: ATen may call back into Python (dispatch modes, memory-history
+    // hooks), which needs the GIL that a caller waiting on this lock could hold.
+    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, stream);
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (!computed) {
+        ++c.hits;
+        return m;
+    }
+    ++c.misses;
+    auto it = std::find_if(c.lru.begin(), c.lru.end(), [&](const Entry& e) { return e.key == key; });
+    if (it == c.lru.end()) {
+        // Versions only grow: an entry of this tensor at another version can never match again.
+        for (auto old = c.lru.begin(); old != c.lru.end();) {
+            auto next = std::next(old);
+            if (old->key.impl == impl && old->key.version != key.version) dropped.splice(dropped.end(), c.lru, old);
+            old = next;
+        }
+        c.lru.push_front(Entry{key, WeakImpl(user_mask.getIntrusivePtr()), {}, {}, {}});
+        it = c.lru.begin();
+        if (m.mask.unsafeGetTensorImpl() != impl) it->copy = m.mask;
+        while (c.lru.size() > kCapacity) dropped.splice(dropped.end(), c.lru, std::prev(c.lru.end()));
+    }
+    if (!find(it->bounds, block_n).defined()) it->bounds.emplace_back(block_n, m.bounds);
+    if (block_m > 0 && !find(it->orders, std::make_pair(block_m, block_n)).defined()) {
+        it->orders.emplace_back(std::make_pair(block_m, block_n), m.order);
+    }
+    return m;
+}
+
+std::pair<int64_t, int64_t> mask_cache_stats() {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    return {c.hits, c.misses};
+}
+
+void mask_cache_clear() {
+    Cache& c = cache();
+    std::list<Entry> dropped;
+    {
+        std::lock_guard<std::mutex> lock(c.mu);
+        dropped.swap(c.lru);
+        c.hits = c.misses = 0;
+    }
+    // `dropped` frees its tensors here, outside the lock.
+}
+
+}  // namespace flashmask

@@ -92,10 +92,16 @@ def compiled_archs(head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
     return tuple(_C.archs(head_dim, str(dtype).replace("torch.", "")))
 
 
-def selected_arch(q: torch.Tensor, arch: int = 0) -> int:
-    """The architecture family a call with q would run on (raises like the call would)."""
+def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd") -> int:
+    """The architecture family a call with q would run on (raises like the call would).
+
+    slot: "fwd", "bwd" or "bwd_deterministic". A family's kernel that is slower than an older
+    family's (the SM90 backward, for now) runs only when its family is named.
+    """
+    if slot not in ("fwd", "bwd", "bwd_deterministic"):
+        raise ValueError(f"slot must be 'fwd', 'bwd' or 'bwd_deterministic', got {slot!r}")
     major, minor = torch.cuda.get_device_capability(q.device)
-    return _C.selected_arch(q.shape[-1], str(q.dtype).replace("torch.", ""), major * 10 + minor, arch)
+    return _C.selected_arch(q.shape[-1], str(q.dtype).replace("torch.", ""), major * 10 + minor, arch, slot)
 
 
 def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:

@@ -56,7 +56,15 @@ def test_generated_units_and_registry(tmp_path):
     table = {(int(a), int(d), t): slots.split(", ") for a, d, t, slots in rows if a != "0"}
     assert set(table) == {(80, d, t) for d in (64, 128) for t in ("fp16", "bf16")}
     assert table[(80, 64, "bf16")] == ["&run_sm80_fwd_hdim64_bf16", "&run_sm80_bwd_kv_hdim64_bf16",
-                                      "&run_sm80_bwd_dq_hdim64_bf16"]
+                                      "&run_sm80_bwd_dq_hdim64_bf16", "7"]  # every slot chosen automatically
+    # A kernel marked auto=False is only chosen when its family is named: its bit is clear.
+    sm90 = inst.instantiations([128], ["bf16"], ["sm90"])
+    inst.generate(str(tmp_path / "sm90"), sm90)
+    row = re.search(r"\{90, 128, DType::bf16, ([^}]*)\}", open(tmp_path / "sm90" / "kernel_registry.inc").read())
+    slots = row.group(1).split(", ")
+    expected = sum(1 << i for i, s in enumerate(inst.SLOTS) if s in inst.KERNELS["sm90"] and inst.KERNELS["sm90"][s].auto)
+    assert int(slots[-1]) == expected
+    assert all((slots[i] == "nullptr") == (s not in inst.KERNELS["sm90"]) for i, s in enumerate(inst.SLOTS))
     # Unchanged files are not rewritten (ninja would recompile them).
     before = os.path.getmtime(paths[0])
     os.utime(paths[0], (before - 100, before - 100))

@@ -184,7 +184,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         dlse_c = dlse->to(at::kFloat).contiguous();
         TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
     }
-    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch), Slot::bwd);
+    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch),
+                                         deterministic ? Slot::bwd_deterministic : Slot::bwd);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
@@ -243,8 +244,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("head_dims", &flashmask::compiled_head_dims);
     m.def("dtypes", &flashmask::compiled_dtypes);
     m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");
-    m.def("selected_arch", [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch) {
+    m.def("selected_arch", [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch, const std::string& slot) {
         const flashmask::DType t = dtype == "float16" ? flashmask::DType::fp16 : flashmask::DType::bf16;
-        return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch), flashmask::Slot::fwd).kernels->arch);
-    }, "the architecture family a forward call would run on");
+        const flashmask::Slot s = slot == "fwd" ? flashmask::Slot::fwd
+                                : slot == "bwd" ? flashmask::Slot::bwd
+                                                : flashmask::Slot::bwd_deterministic;
+        return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch), s).kernels->arch);
+    }, "the architecture family a call would run on (slot: fwd, bwd or bwd_deterministic)");
 }

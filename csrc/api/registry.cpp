@@ -21,16 +21,34 @@ const char* dtype_name(DType t) { return t == DType::fp16 ? "float16" : "bfloat1
 bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
 
 TileSizes tiles_of(const KernelSet& k) {
-    const sm80::BwdTile b = sm80::bwd_tile(k.head_dim);
     if (k.arch == 90) {
         const sm90::FwdTile f = sm90::fwd_tile(k.head_dim);
+        const sm90::BwdTile b = sm90::bwd_tile(k.head_dim);
         return {f.block_m, f.block_n, b.block_m, b.block_n};
     }
     const sm80::FwdTile f = sm80::fwd_tile(k.head_dim);
+    const sm80::BwdTile b = sm80::bwd_tile(k.head_dim);
     return {f.block_m, f.block_n, b.block_m, b.block_n};
 }
 
-bool has(const KernelSet& k, Slot slot) { return slot == Slot::fwd ? k.fwd != nullptr : k.bwd_kv != nullptr; }
+bool has(const KernelSet& k, Slot slot) {
+    switch (slot) {
+        case Slot::fwd: return k.fwd != nullptr;
+        case Slot::bwd: return k.bwd_kv != nullptr;
+        default: return k.bwd_kv != nullptr && k.bwd_dq != nullptr;
+    }
+}
+
+// Whether a call that names no family may take this set's kernels for `slot` (instantiations.py:
+// a kernel slower than an older family's is only used when its family is asked for).
+bool automatic(const KernelSet& k, Slot slot) {
+    const unsigned fwd = 1u, bwd_kv = 2u, bwd_dq = 4u;
+    switch (slot) {
+        case Slot::fwd: return k.auto_slots & fwd;
+        case Slot::bwd: return k.auto_slots & bwd_kv;
+        default: return (k.auto_slots & (bwd_kv | bwd_dq)) == (bwd_kv | bwd_dq);
+    }
+}
 
 // Numbers in error messages go through std::to_string, never through c10::str's ostream: built
 // by a g++ newer than the libstdc++ it runs with (the H100 machine's /opt/gcc), the extension
@@ -89,7 +107,7 @@ Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot) {
                 "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
     const int head_dim = int(*it);
     // A family without a backward yet leaves the backward of a forced family to the newest that has one.
-    if (slot == Slot::bwd && arch != 0) {
+    if (slot != Slot::fwd && arch != 0) {
         bool any = false;
         for (const KernelSet& k : kKernelSets) any |= k.arch == arch && has(k, slot) && k.head_dim == head_dim;
         if (!any) arch = 0;
@@ -97,7 +115,7 @@ Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot) {
     const KernelSet* best = nullptr;
     for (const KernelSet& k : kKernelSets) {
         if (!has(k, slot) || k.head_dim != head_dim || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
-        if (arch != 0 && k.arch != arch) continue;
+        if (arch != 0 ? k.arch != arch : !automatic(k, slot)) continue;
         if (best == nullptr || k.arch > best->arch) best = &k;
     }
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),

@@ -23,6 +23,7 @@ struct KernelSet {
     FwdFn fwd;
     BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
     BwdFn bwd_dq;  // deterministic dQ
+    unsigned auto_slots;  // bit i: slot i (fwd, bwd_kv, bwd_dq) may be chosen when no family is named
 };
 
 // Tile sizes a kernel set walks with: the binding sizes the mask bounds, the tile work and the dQ
@@ -46,9 +47,10 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
 // a device of compute capability `cc` (major * 10 + minor). `arch` 0 takes the newest family the
 // device runs, unless the environment variable FLASHMASK_ARCH names one; 80 or 90 asks for that
 // family and raises if it is not compiled or the device cannot run it.
-// `slot` says whether the call needs the forward or the backward kernels: a family that lacks the
-// backward (the SM90 one, for now) runs the backward of the newest family that has it.
-enum class Slot { fwd, bwd };
+// `slot` says which kernels the call needs: the forward, the backward with atomic dQ, or the
+// deterministic backward. A forced family that lacks them (the SM90 one has no deterministic
+// backward yet) leaves the call to the newest family that has them.
+enum class Slot { fwd, bwd, bwd_deterministic };
 Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot);
 
 }  // namespace flashmask

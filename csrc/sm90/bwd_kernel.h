@@ -1,0 +1,298 @@
+// Hopper backward with FlashMask skipping: key/value-stationary, TMA loads, wgmma, warp
+// specialisation.
+//
+// One CTA per (key block of 128, query head, batch). The producer warpgroup gives its registers
+// away; one warp loads K and V once, then walks the query blocks that can see these keys
+// (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully masked runs) and
+// loads each one's Q and dO by TMA into a pipeline. Two consumer warpgroups own 64 keys each:
+// S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
+// dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
+// warpgroups split by head dim and add to the fp32 dQ accumulator with vector atomics.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/launch_order.h"
+#include "common/params.h"
+#include "mask/block_walk.h"
+#include "mask/element_mask.h"
+#include "mask/mask_head.h"
+#include "sm90/bwd_traits.h"
+#include "sm90/wgmma_ops.h"
+
+namespace flashmask::sm90 {
+using namespace cute;
+
+template <typename TmaQ, typename TmaDO, typename TmaK, typename TmaV>
+struct BwdArgs {
+    BwdParams p;
+    TmaQ tma_q;
+    TmaDO tma_do;
+    TmaK tma_k;
+    TmaV tma_v;
+};
+
+// Named barriers: the consumers' mask columns staged once and dS in shared memory; the dQ tile
+// handed from the consumers to the dQ warp (full) and back (empty).
+constexpr int kBwdMaskBarrier = 1;
+constexpr int kBwdDsBarrier = 2;
+constexpr int kBwdDqFullBarrier = 3;
+constexpr int kBwdDqEmptyBarrier = 4;
+
+// dst[0, bytes) += src[0, bytes) in fp32, by the TMA unit (a bulk reduction; part of the issuing
+// thread's bulk group: cute::tma_store_arrive commits it, cute::tma_store_wait waits for its reads).
+__forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+    const uint32_t s = cute::cast_smem_ptr_to_uint(src);
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(s),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// Writes a (rows, cols) register tile to rows [row0, row0 + rows) of a [S, D] slice with row stride
+// `stride`, rows < max_rows and cols < max_cols, scaled by `scale`.
+template <typename Element, typename T, typename Coords>
+__forceinline__ __device__ void store_rows(T const& t, Coords const& coords, Element* base, int64_t stride,
+                                           int max_rows, int max_cols, float scale) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(t); ++i) {
+        const int r = get<0>(coords(i)), c = get<1>(coords(i));
+        if (r < max_rows && c < max_cols) base[r * stride + c] = Element(t(i) * scale);
+    }
+}
+
+template <typename Traits, bool Is_causal, int kMaskC, typename Args>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ Args args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool Has_mask = kMaskC > 0;
+    using Element = typename Traits::Element;
+    using SharedStorage = typename Traits::SharedStorage;
+    using Pipeline = typename Traits::Pipeline;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    const BwdParams& p = args.p;
+
+    extern __shared__ __align__(1024) char smem_raw[];
+    SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem_raw);
+    const int warp_group = threadIdx.x / 128;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    const int n_blocks = gridDim.x / p.hq;
+    const JobHead job = job_and_head(blockIdx.x, n_blocks, p.head_group);
+    const int n_block = job.job, h = job.head, b = blockIdx.z;
+    const int kv_h = h / p.q_per_kv_head;
+    const int c0 = n_block * kBlockN;
+    const int m_end = (p.sq + kBlockM - 1) / kBlockM;
+    const int causal_offset = p.sk - p.sq;
+    const MaskHead mask = mask_head(p, b, h);
+    const int* bnd = Has_mask ? mask.bounds + n_block * kNumBounds : nullptr;
+    const QueryBlockWalk<kBlockM, kBlockN, Is_causal, Has_mask> walk{bnd, c0, p.sq, p.sk, causal_offset, m_end};
+    const int m_first = walk.visible_at_or_above(walk.begin());
+
+    if (threadIdx.x == 0) shared.barrier_kv.init(1);
+    typename Pipeline::Params pipe_params;
+    pipe_params.transaction_bytes = 2 * Traits::kTmaBytesQ;
+    pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pipe_params.is_leader = threadIdx.x == 0;
+    pipe_params.num_consumers = Traits::kConsumerThreads;
+    Pipeline pipeline_q(shared.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+    cutlass::arch::fence_barrier_init();
+    __syncthreads();
+
+    constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
+    if (warp_group == 0) {
+        cutlass::arch::warpgroup_reg_dealloc<24>();
+        if (m_first >= m_end || warp > 1) return;
+        if (warp == 1) {
+            // The dQ warp: each query block's dQ tile goes from shared memory into the fp32
+            // accumulator by one bulk reduction, off the consumers' path.
+            float* dq_accum = p.dq_accum + (int64_t(b) * p.hq + h) * int64_t(m_end) * kBlockM * Traits::kHeadDim;
+            cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
+            for (int m = m_first; m < m_end;) {
+                const int m_next = walk.visible_at_or_above(m + 1);
+                cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqFullBarrier);
+                if (lane == 0) {
+                    bulk_reduce_add(dq_accum + int64_t(m) * kBlockM * Traits::kHeadDim, shared.dq,
+                                    int(sizeof(shared.dq)));
+                    tma_store_arrive();
+                    tma_store_wait<0>();
+                }
+                __syncwarp();
+                if (m_next < m_end) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
+                m = m_next;
+            }
+            return;
+        }
+        Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
+        Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
+        Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
+        Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
+        Tensor gQ = local_tile(mQ(_, _, h, b), typename Traits::TileQ{}, make_coord(_, _0{}));
+        Tensor gdO = local_tile(mdO(_, _, h, b), typename Traits::TileQ{}, make_coord(_, _0{}));
+        Tensor gK = local_tile(mK(_, _, kv_h, b), typename Traits::TileKV{}, make_coord(n_block, _0{}));
+        Tensor gV = local_tile(mV(_, _, kv_h, b), typename Traits::TileKV{}, make_coord(n_block, _0{}));
+        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+        auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tdOg, tdOs] = tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+        using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+        if (lane == 0) {
+            shared.barrier_kv.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
+            copy(args.tma_k.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tKg, tKs);
+            copy(args.tma_v.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tVg, tVs);
+        }
+        auto state = cutlass::make_producer_start_state<Pipeline>();
+        for (int m = m_first; m < m_end; m = walk.visible_at_or_above(m + 1)) {
+            if (lane == 0) {
+                pipeline_q.producer_acquire(state);
+                BarrierType* full = pipeline_q.producer_get_barrier(state);
+                copy(args.tma_q.with(*full, 0), tQg(_, m), tQs(_, state.index()));
+                copy(args.tma_do.with(*full, 0), tdOg(_, m), tdOs(_, state.index()));
+            }
+            ++state;
+        }
+        return;
+    }
+
+    // Consumers.
+    cutlass::arch::warpgroup_reg_alloc<240>();
+    const int ctid = threadIdx.x - 128;
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmaKV mma_kv;
+    typename Traits::TiledMmaQ mma_q;
+    auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+    auto thr_kv = mma_kv.get_thread_slice(ctid);
+    auto thr_q = mma_q.get_thread_slice(ctid);
+    Tensor acc_dk = partition_fragment_C(mma_kv, typename Traits::TileKV{});
+    Tensor acc_dv = partition_fragment_C(mma_kv, typename Traits::TileKV{});
+    clear(acc_dk);
+    clear(acc_dv);
+
+    if (m_first < m_end) {
+        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+        Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+        Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+        Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
+        Tensor tSsdSt = thr_sdp.partition_C(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
+        Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        Tensor tQrdS = thr_q.partition_fragment_A(sdS);
+        Tensor tQrKt = thr_q.partition_fragment_B(sKt);
+        // (key, query) of each score this thread holds, and (query, head dim) of its dQ.
+        Tensor cST = thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{}));
+        Tensor cST_rc = rowcol(cST);
+        Tensor tdQsdQ = thr_q.partition_C(
+            make_tensor(make_smem_ptr(shared.dq), make_layout(typename Traits::TileQ{}, LayoutRight{})));
+
+        if (Has_mask) {  // the interval values of this CTA's keys, for every partial tile
+            stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, mask.cols, c0, p.sk, ctid);
+            cp_async_fence();
+            cp_async_wait<0>();
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdMaskBarrier);
+        }
+        const float* lse = p.lse + (int64_t(b) * p.hq + h) * p.sq;
+        const float* dsum = p.dsum + (int64_t(b) * p.hq + h) * p.sq;
+
+        // (Issuing the next block's S^T and dP^T before this block's dQ leaves would overlap more, but
+        // keeping both live across the loop spills at 240 registers.)
+        Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+        cutlass::PipelineState<Traits::kStages> state;
+        auto issue_sdp = [&]() {
+            pipeline_q.consumer_wait(state);
+            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
+            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
+        };
+        shared.barrier_kv.wait(0);
+        for (int m = m_first; m < m_end;) {
+            const int r0 = m * kBlockM;
+            const TileCompare compare = walk.compare(m);
+            const int m_next = walk.visible_at_or_above(m + 1);
+            issue_sdp();
+            warpgroup_wait<0>();
+
+            // P^T = exp(S^T scale - LSE) and dS^T = P^T (dP^T - D), with queries as columns.
+            Tensor st = rowcol(acc_s);
+            Tensor dpt = rowcol(acc_dp);
+            if (compare.any) {
+                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, causal_offset,
+                                                                  shared.mask_cols);
+            }
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(st); ++ni) {
+                const int row = r0 + get<1>(cST_rc(0, ni));
+                const float lse_log2 = row < p.sq ? lse[row] * float(M_LOG2E) : INFINITY;
+                const float d = row < p.sq ? dsum[row] : 0.f;
+                CUTE_UNROLL
+                for (int mi = 0; mi < size<0>(st); ++mi) {
+                    st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+                    dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+                }
+            }
+            Tensor rP = convert_to<Element>(acc_s);
+            Tensor rdS = convert_to<Element>(acc_dp);
+            wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
+                                            tKVrdOt(_, _, _, state.index()), acc_dv);
+            wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
+                                            tKVrQt(_, _, _, state.index()), acc_dk);
+
+            // dS into shared memory once both warpgroups are done reading the last block's.
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+            copy(rdS, tSsdSt);
+            cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+            Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileQ{});
+            wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, tQrKt, acc_dq);
+            warpgroup_wait<0>();
+            pipeline_q.consumer_release(state);
+            ++state;
+            // dQ to the dQ warp's buffer once it has sent the last one.
+            cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+            copy(acc_dq, tdQsdQ);
+            cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
+            cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqFullBarrier);
+            m = m_next;
+        }
+    }
+
+    // dK (scaled by the softmax scale) and dV of this query head's slice; keys past the end are
+    // not written, and a key block no query sees writes zeros.
+    Tensor cKV = thr_kv.partition_C(make_identity_tensor(typename Traits::TileKV{}));
+    Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + h * p.dk_head_stride + int64_t(c0) * p.dk_row_stride;
+    Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + h * p.dv_head_stride + int64_t(c0) * p.dv_row_stride;
+    store_rows(acc_dk, cKV, dk, p.dk_row_stride, p.sk - c0, p.d, p.softmax_scale);
+    store_rows(acc_dv, cKV, dv, p.dv_row_stride, p.sk - c0, p.d, 1.f);
+#endif
+}
+
+// dQ = softmax_scale * accumulator, cast to the input dtype: the accumulator is row-major
+// [B, Hq, rows rounded up to BlockM, head dim] in fp32.
+template <typename Element, int kHeadDim>
+__global__ void dq_convert_kernel(const BwdParams p, int rows_padded) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t total = int64_t(p.b) * p.hq * p.sq * p.d;
+    if (i >= total) return;
+    const int c = i % p.d;
+    const int64_t row = i / p.d;  // (b, h, s)
+    const int s = row % p.sq;
+    const int h = (row / p.sq) % p.hq;
+    const int64_t b = row / (int64_t(p.sq) * p.hq);
+    const float acc = p.dq_accum[((b * p.hq + h) * rows_padded + s) * kHeadDim + c];
+    static_cast<Element*>(p.dq)[b * p.dq_batch_stride + s * p.dq_row_stride + h * p.dq_head_stride + c] =
+        Element(acc * p.softmax_scale);
+}
+
+}  // namespace flashmask::sm90

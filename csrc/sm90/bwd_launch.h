@@ -1,0 +1,47 @@
+// Launch layer of the SM90 backward: TMA descriptors of Q, dO, K and V over their real strides, the
+// key-block grid, then the dQ conversion. p.dq_accum must be zeroed fp32 [B, Hq, rows rounded up
+// to BlockM, head dim].
+#pragma once
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+
+#include "common/launch_utils.h"
+#include "sm90/bwd_kernel.h"
+#include "sm90/tma_views.h"
+
+namespace flashmask::sm90 {
+
+template <int kHeadDim, typename Element>
+void run_bwd(const BwdParams& p, cudaStream_t stream) {
+    using namespace cute;
+    using Traits = BwdTraits<kHeadDim, Element>;
+    TORCH_CHECK(p.dq_accum != nullptr, "flashmask: the SM90 backward accumulates dQ with atomics only");
+    const auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
+    const auto gq = tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+    const auto gdo = tma_view<Element, kHeadDim>(p.dout, p.sq, p.d, p.hq, p.b, p.do_row_stride, p.do_head_stride,
+                                                 p.do_batch_stride);
+    const auto gk = tma_view<Element, kHeadDim>(p.k, p.sk, p.d, p.hk, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+    const auto gv = tma_view<Element, kHeadDim>(p.v, p.sk, p.d, p.hk, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+    auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, sQ, typename Traits::TileQ{}, _1{});
+    auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdo, sQ, typename Traits::TileQ{}, _1{});
+    auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
+    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
+    using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
+    const Args args{p, tma_q, tma_do, tma_k, tma_v};
+    const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN * p.hq, 1, p.b);
+    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
+        launch_with_smem(&bwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args>, grid,
+                         Traits::kNThreads, Traits::kSmemBytes, args, stream);
+    });
+    const int64_t total = int64_t(p.b) * p.hq * p.sq * p.d;
+    if (total == 0) return;
+    const int rows_padded = (p.sq + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
+    constexpr int kThreads = 256;
+    dq_convert_kernel<Element, kHeadDim><<<(total + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, rows_padded);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace flashmask::sm90

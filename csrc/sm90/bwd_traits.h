@@ -1,0 +1,88 @@
+// Shared-memory layouts, wgmma tiles and the shared storage of the SM90 backward kernel.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "sm90/tile_config.h"
+
+namespace flashmask::sm90 {
+
+template <int kHeadDim_, typename Element_>
+struct BwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = bwd_tile(kHeadDim).block_m;  // queries per step
+    static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;  // keys per CTA
+    static constexpr int kStages = bwd_tile(kHeadDim).stages;
+    static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
+    static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+    static constexpr int kNThreads = kConsumerThreads + 128;
+    static_assert(kBlockN == 64 * kConsumerWarpgroups);
+
+    using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
+    using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+    using TileST = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;  // (keys, queries)
+
+    // Key-stationary: S^T = K Q^T and dP^T = V dO^T have the keys as rows, so each consumer
+    // warpgroup's 64 keys hold their P^T and dS^T in registers, the A operands of dV += P^T dO and
+    // dK += dS^T Q. dQ = dS K reads dS from shared memory; there the warpgroups split the head dim.
+    using AtomKeys = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+    using TiledMmaSdP = decltype(cute::make_tiled_mma(
+        cute::GMMA::ss_op_selector<Element, Element, float,
+                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
+        AtomKeys{}));
+    using TiledMmaKV = decltype(cute::make_tiled_mma(
+        cute::GMMA::rs_op_selector<Element, Element, float,
+                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                                   cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+        AtomKeys{}));
+    using TiledMmaQ = decltype(cute::make_tiled_mma(
+        cute::GMMA::ss_op_selector<Element, Element, float,
+                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>,
+                                               cute::Int<kBlockN>>,
+                                   cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+        cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>{}));
+
+    template <int kRows, int kCols>
+    using KMajorAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                cute::GMMA::Major::K, Element, cute::Int<kRows>, cute::Int<kCols>>());
+    // Q and dO: (queries, head dim, stage); their transposes are the B operands of dK and dV.
+    using SmemLayoutQ = decltype(cute::tile_to_shape(
+        KMajorAtom<kBlockM, kHeadDim>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+    using SmemLayoutQt = decltype(cute::composition(
+        SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+    // K and V: (keys, head dim); K^T is the B operand of dQ.
+    using SmemLayoutKV = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kHeadDim>{}, TileKV{}));
+    using SmemLayoutKt = decltype(cute::composition(
+        SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                                  cute::Step<cute::_2, cute::_1>{})));
+    // dS: (queries, keys), the A operand of dQ.
+    using SmemLayoutDS = decltype(cute::tile_to_shape(KMajorAtom<kBlockM, kBlockN>{},
+                                                      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+    // The same memory as (keys, queries): where the S^T-shaped dS^T registers are stored.
+    using SmemLayoutDSt = decltype(cute::composition(
+        SmemLayoutDS{}, cute::make_ordered_layout(TileST{}, cute::Step<cute::_2, cute::_1>{})));
+
+    using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+    static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+    static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
+        alignas(128) float dq[kBlockM * kHeadDim];  // a query block's dQ, row-major, on its way to global memory
+        alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
+        cutlass::arch::ClusterTransactionBarrier barrier_kv;
+        typename Pipeline::SharedStorage pipeline_q;  // Q and dO of a query block travel together
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+}  // namespace flashmask::sm90

@@ -10,8 +10,8 @@ one) and laid out by :class:`flashmask.data.ShareQuestionCollator` as
 the chosen one while both see the prompt, and the positions of both responses continue from the
 prompt: the prompt is encoded once, yet every response token gets exactly the log-probability it
 would get in its own ``prompt + response`` sequence. Per-token log-probabilities of both responses
-(:func:`flashmask.data.shared_sequence_logps`, computing the LM head only where needed) give the
-DPO loss::
+(:func:`flashmask.losses.linear_token_logps`: the LM head only at the response tokens, in chunks
+of ``--loss-chunk``), summed per response, give the DPO loss::
 
     loss = -log sigmoid(beta * ((logp_chosen - ref_chosen) - (logp_rejected - ref_rejected)))
 
@@ -33,6 +33,14 @@ Examples::
     # GPU: a local Qwen2.5-0.5B-Instruct, packs of 32K tokens, with the CUDA kernels
     python training_examples/dpo_packed.py --device cuda --model ~/models/Qwen2.5-0.5B-Instruct \\
         --max-length 32768 --batch-size 1 --steps 50 --lr 1e-6 --gradient-checkpointing --output-dir runs/dpo-qwen
+
+    # 2 GPUs: every row split over both (context parallelism), policy and reference sharded with FSDP2
+    torchrun --nproc-per-node 2 training_examples/dpo_packed.py --cp 2 --model ~/models/Qwen2.5-0.5B-Instruct \\
+        --max-length 131072 --batch-size 1 --steps 50 --lr 1e-6 --gradient-checkpointing
+
+With several processes each rank computes the log-probabilities of its own tokens; the per-response
+sums are all-reduced over the context-parallel group (differentiably), so every rank of the group
+computes the same loss.
 """
 from __future__ import annotations
 
@@ -84,17 +92,108 @@ def triple_len(t: Dict) -> int:
     return len(t["prompt_ids"]) + len(t["chosen_ids"]) + len(t["rejected_ids"])
 
 
-def response_logps(model, inputs: Dict[str, torch.Tensor], batch: Dict[str, torch.Tensor], need: torch.Tensor,
-                   average: bool):
-    """(chosen, rejected) log-probs ``[N]``: the decoder once, the LM head only at ``need`` columns."""
-    from flashmask.data import shared_sequence_logps
-
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[need])
-    return shared_sequence_logps(logits, batch, average=average)
+LOGPS_METHOD = "flashmask_response_logps"
 
 
-def warm_up(args, policy, tok, stream: example_utils.PackedStream, padding: str) -> None:
+def response_logps(self, inputs: Dict[str, torch.Tensor], targets: torch.Tensor, valid: torch.Tensor,
+                   pair: torch.Tensor, num_pairs: int, chunk_size: int) -> torch.Tensor:
+    """``[2 * N]``: per triple, the summed log-probabilities of this rank's chosen (first N) and
+    rejected (last N) response tokens. The decoder once, the LM head only at the ``valid [2, B, L]`` tokens
+    (targets ``[2, B, L]``, triple ``pair [B, L]``), in chunks. Installed on the policy and the
+    reference as an FSDP2 forward method (:func:`flashmask.distributed.fsdp.install_forward_method`)."""
+    from flashmask.losses import linear_token_logps
+
+    hidden = self.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    head = self.get_output_embeddings()
+    h = torch.cat([hidden[valid[0]], hidden[valid[1]]])
+    lp = linear_token_logps(h, head.weight, torch.cat([targets[0][valid[0]], targets[1][valid[1]]]),
+                            getattr(head, "bias", None), chunk_size=chunk_size)
+    idx = torch.cat([pair[valid[0]], pair[valid[1]] + num_pairs])
+    return lp.new_zeros(2 * num_pairs).index_add(0, idx, lp)  # flat: FSDP2 warns about returned views
+
+
+def logps_inputs(batch: Dict[str, torch.Tensor], args, par: example_utils.Parallel):
+    """``(inputs, targets, valid, pair, plan)`` for :func:`response_logps` from a collated batch:
+    this rank's tokens and the plan of its cp group (one process: the whole rows, plan ``None``).
+    Targets and ``valid`` are sharded as tokens; padding added by the sharding is never valid."""
+    from flashmask.data import IGNORE_INDEX, MASK_KEY
+
+    parts = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], MASK_KEY: batch[MASK_KEY],
+             "pair": batch["pair_index"]}
+    for side in ("chosen", "rejected"):
+        labels = batch[f"{side}_labels"]
+        parts[f"{side}_t"], parts[f"{side}_valid"] = labels.clamp_min(0), labels != IGNORE_INDEX
+    parts = example_utils.to_device(parts, args.device)
+    plan = None
+    if par.distributed:
+        parts, plan = example_utils.shard_batch(parts, args, par)
+    inputs = {k: parts[k] for k in ("input_ids", "position_ids", MASK_KEY) if k in parts}
+    targets = torch.stack([parts["chosen_t"], parts["rejected_t"]])
+    valid = torch.stack([parts["chosen_valid"], parts["rejected_valid"]])
+    return inputs, targets, valid, parts["pair"], plan
+
+
+def response_counts(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[2, N]``: the number of chosen and rejected tokens of every triple."""
+    from flashmask.data import IGNORE_INDEX
+
+    n = batch["pair_row"].shape[0]
+    rows = []
+    for key in ("chosen_labels", "rejected_labels"):
+        v = batch[key] != IGNORE_INDEX
+        rows.append(torch.zeros(n).index_add(0, batch["pair_index"][v], torch.ones(int(v.sum()))))
+    return torch.stack(rows)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a process group, differentiable: the gradient of every rank's input is the sum of
+    the ranks' output gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def whole_rows(sums: torch.Tensor, par: example_utils.Parallel) -> torch.Tensor:
+    """``[2, N]`` sums over the whole rows: the ranks' parts summed over the cp group (differentiably)."""
+    if par.cp > 1:
+        sums = _AllReduceSum.apply(sums, par.group)
+    return sums.view(2, -1)
+
+
+def dpo_step(policy, reference, batch: Dict[str, torch.Tensor], args, par: example_utils.Parallel):
+    """Forward and backward of the DPO loss of a collated batch; returns ``(loss, margin [N])``
+    (the same on every rank of a cp group)."""
+    n = batch["pair_row"].shape[0]
+    inputs, targets, valid, pair, plan = logps_inputs(batch, args, par)
+    chunk = example_utils.chunk_size(args)
+    with example_utils.parallel_context(plan):  # forward and backward (checkpoint recompute)
+        with torch.no_grad():
+            ref = whole_rows(getattr(reference, LOGPS_METHOD)(inputs, targets, valid, pair, n, chunk), par)
+        pol = whole_rows(getattr(policy, LOGPS_METHOD)(inputs, targets, valid, pair, n, chunk), par)
+        if args.average_logps:
+            counts = response_counts(batch).to(pol.device).clamp_min(1)
+            pol, ref = pol / counts, ref / counts
+        margin = args.beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))
+        loss = -F.logsigmoid(margin).mean()
+        # every cp rank backpropagates the same loss and the all-reduce's backward sums them
+        (loss / par.cp).backward()
+    return loss.detach(), margin.detach()
+
+
+def warm_up(args, policy, tok, stream: example_utils.PackedStream, padding: str,
+            par: example_utils.Parallel) -> None:
     """A short SFT on prompt + chosen (its own optimizer, thrown away afterwards)."""
     from flashmask.data import PackedSFTCollator
 
@@ -103,19 +202,18 @@ def warm_up(args, policy, tok, stream: example_utils.PackedStream, padding: str)
     doc = lambda t: {"input_ids": t["prompt_ids"] + t["chosen_ids"],  # noqa: E731
                      "completion_mask": [0] * len(t["prompt_ids"]) + [1] * len(t["chosen_ids"])}
     for step in range(1, args.sft_steps + 1):
-        rows = stream.rows(args.batch_size)
-        batch = {k: v.to(args.device) for k, v in sft.collate_rows([[doc(t) for t in r] for r in rows]).items()}
-        loss = policy(**batch, use_cache=False).loss
-        loss.backward()
+        _, rows = example_utils.next_rows(stream, args, par)
+        batch = example_utils.to_device(sft.collate_rows([[doc(t) for t in r] for r in rows]), args.device)
+        loss = example_utils.causal_lm_step(policy, batch, args, par)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % args.log_every == 0 or step == args.sft_steps:
-            print(f"sft {step:5d} | loss {float(loss.detach()):.4f}", flush=True)
+        if par.main and (step % args.log_every == 0 or step == args.sft_steps):
+            print(f"sft {step:5d} | loss {float(loss):.4f}", flush=True)
 
 
 def reference_model(args, policy, attn: str):
-    """The frozen reference: the policy as DPO starts, saved once to ``<output-dir>/reference``;
-    on ``--resume`` it is loaded from beside the checkpoint."""
+    """The frozen reference, unsharded: a copy of the policy (made before any warm-up, which
+    :func:`copy_weights` then brings over), or on ``--resume`` the one saved beside the checkpoint."""
     if args.resume:
         path = os.path.join(os.path.dirname(os.path.abspath(args.resume)), "reference")
         if not os.path.isdir(path):
@@ -125,54 +223,69 @@ def reference_model(args, policy, attn: str):
                                                      device=args.device, tokenizer=False)
     else:
         reference = copy.deepcopy(policy)
-        if args.output_dir:
-            example_utils.save_pretrained(reference, os.path.join(args.output_dir, "reference"))
     return reference.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_weights(dst, src) -> None:
+    """``dst``'s parameters := ``src``'s (the same architecture, sharded alike or not at all)."""
+    for (name, a), (name_src, b) in zip(dst.named_parameters(), src.named_parameters()):
+        assert name == name_src, (name, name_src)
+        a.copy_(b)
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     """Run the example; returns ``example_utils.train``'s summary plus ``accuracy`` per step."""
     args = parse_args(argv)
     example_utils.resolve_device_dtype(args)
+    par = example_utils.init_parallel(args)
+    try:
+        return run(args, par)
+    finally:
+        example_utils.finish_parallel(par)
+
+
+def run(args, par: example_utils.Parallel) -> Dict:
     import flashmask.integrations.transformers as fm_hf
-    from flashmask.data import ShareQuestionCollator, logp_positions, model_inputs
+    from flashmask.data import ShareQuestionCollator
+    from flashmask.distributed.fsdp import install_forward_method
 
     attn = fm_hf.ATTN_IMPLEMENTATION
     policy, tok = example_utils.load_model_and_tokenizer(args, attn)
+    reference = reference_model(args, policy, attn)
+    example_utils.prepare_model(policy, args, par)
+    example_utils.prepare_model(reference, args, par, train=False)
+    for m in (policy, reference):
+        install_forward_method(m, LOGPS_METHOD, response_logps)
     triples = load_triples(args, tok)
     stream = example_utils.PackedStream(triples, triple_len, args.max_length, args.seed)
-    print(f"dpo_packed: {args.model_desc} on {args.device}, attn_implementation={attn} "
-          f"[{example_utils.backend_note(args.device, args.dtype)}], {len(triples)} preference triples"
-          f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
-          f"packs of {args.max_length} tokens x {args.batch_size}, beta={args.beta}", flush=True)
+    if par.main:
+        print(f"dpo_packed: {args.model_desc} on {args.device}, attn_implementation="
+              f"{policy.config._attn_implementation} [{example_utils.backend_note(args.device, args.dtype)}], "
+              f"{par.describe()}, {len(triples)} preference triples"
+              f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
+              f"{example_utils.packs_str(args, par)}, beta={args.beta}", flush=True)
     padding = "max_length" if args.device.type == "cuda" else "longest"
     if args.sft_steps > 0 and not args.resume:
-        warm_up(args, policy, tok, stream, padding)
-    reference = reference_model(args, policy, attn)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        warm_up(args, policy, tok, stream, padding, par)
+        copy_weights(reference, policy)
+    if args.output_dir and not args.resume:
+        example_utils.save_pretrained(reference, os.path.join(args.output_dir, "reference"), par)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)  # after sharding
     collate = ShareQuestionCollator(args.max_length, pad_token_id=tok.pad_token_id, padding=padding)
 
     def step(_):
-        rows = stream.rows(args.batch_size)
-        batch = collate.collate_rows(rows)
-        inputs = model_inputs(batch, args.device)
-        need = logp_positions(batch).to(args.device)
-        with torch.no_grad():
-            ref_c, ref_r = response_logps(reference, inputs, batch, need, args.average_logps)
-        pol_c, pol_r = response_logps(policy, inputs, batch, need, args.average_logps)
-        margin = args.beta * ((pol_c - ref_c) - (pol_r - ref_r))
-        loss = -F.logsigmoid(margin).mean()
-        loss.backward()
-        margin = margin.detach()
-        extras = {"accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean()),
-                  "pairs": margin.numel()}
-        return loss, sum(triple_len(t) for r in rows for t in r), extras
+        rows_all, rows = example_utils.next_rows(stream, args, par)
+        loss, margin = dpo_step(policy, reference, collate.collate_rows(rows), args, par)
+        loss, acc, mean_margin = example_utils.dp_mean(
+            [loss, (margin > 0).float().mean(), margin.mean()], par, args.device)
+        extras = {"accuracy": acc, "margin": mean_margin, "pairs": sum(len(r) for r in rows_all)}
+        return torch.tensor(loss), sum(triple_len(t) for r in rows_all for t in r), extras
 
     res = example_utils.train(args, "dpo_packed", policy, tok, opt, stream, step, describe=lambda e: (
-        f"acc {e['accuracy']:.2f} | margin {e['margin']:+.4f} | {e['pairs']} pairs"))
+        f"acc {e['accuracy']:.2f} | margin {e['margin']:+.4f} | {e['pairs']} pairs"), par=par)
     res["accuracy"] = [r["accuracy"] for r in res["history"]]
-    print(f"done: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
-          f"peak mem {example_utils.peak_memory_str(args.device)}", flush=True)
+    example_utils.report(res, par)
     return res
 
 

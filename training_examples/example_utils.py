@@ -6,6 +6,11 @@ Models: ``--model PATH`` loads any Hugging Face causal LM and its tokenizer from
 config with a byte-level tokenizer (``byte_tokenizer.py``), so that nothing is downloaded.
 Data: JSON / JSONL / Parquet / CSV files through ``datasets.load_dataset``, or a dataset name
 (needs the network).
+Several processes (``torchrun --nproc-per-node N``): parameters sharded with FSDP2 over a
+``(dp, cp)`` DeviceMesh, each packed row split over the ``cp`` ranks of its group (context
+parallelism, :mod:`flashmask.distributed`); see :class:`Parallel`. One process: per-layer activation
+checkpointing (``--offload``: the checkpoints in host memory) and the chunked LM-head loss
+(``--loss-chunk``: no ``[S, vocab]`` logits) for long rows.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import os
 import re
 import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,7 +34,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import byte_tokenizer  # noqa: E402
-from train_log import LossLog, Throughput, peak_memory_str  # noqa: E402
+from train_log import LossLog, Throughput, peak_memory_gib  # noqa: E402
 
 DATA_DIR = os.path.join(HERE, "data")
 TRAINER_STATE = "trainer_state.pt"
@@ -100,6 +107,7 @@ def make_parser(doc: str, data_file: str, data_help: str, *, default_lr: float,
     t.add_argument("--seed", type=int, default=0, help="seed for model init and data order (default: 0)")
     t.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute layer activations in backward (for long packs on a GPU)")
+    add_long_context_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", default=None,
                    help="where checkpoints (checkpoint-STEP/, save_pretrained) and the loss curve (loss.csv, "
@@ -114,8 +122,44 @@ def make_parser(doc: str, data_file: str, data_help: str, *, default_lr: float,
     return p
 
 
+def add_long_context_args(p: argparse.ArgumentParser) -> None:
+    """Options for long rows: several GPUs (context parallelism, FSDP2), offloaded checkpoints, chunked loss."""
+    g = p.add_argument_group("long context", "several GPUs: torchrun --nproc-per-node N SCRIPT --cp C (FSDP2 over "
+                                             "all N, each row split over C of them, N/C data-parallel groups)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: the ranks that share one packed row; must divide the number of "
+                        "processes (default: %(default)s)")
+    g.add_argument("--cp-mode", choices=["allgather_kv", "ulysses"], default="allgather_kv",
+                   help="allgather_kv: query chunks balanced by unmasked work, K/V gathered (any head counts); "
+                        "ulysses: all-to-all sequence <-> heads (query heads divisible by --cp) "
+                        "(default: %(default)s)")
+    g.add_argument("--cp-align", type=int, default=128,
+                   help="allgather_kv: rows per chunk are a multiple of this; a row is padded to a multiple of "
+                        "8 x cp x this (default: %(default)s)")
+    g.add_argument("--offload", choices=["off", "on", "auto"], default="off",
+                   help="activation checkpointing of every layer with the checkpoints (layer inputs) in pinned "
+                        "host memory; auto: only when they would take more than a quarter of the GPU; implies "
+                        "--gradient-checkpointing (default: %(default)s)")
+    g.add_argument("--loss-chunk", type=int, default=8192,
+                   help="tokens per chunk of the LM head + loss, so that no [S, vocab] logits exist; 0: one "
+                        "chunk (one process: the model's own loss) (default: %(default)s)")
+
+
+def env_world_size() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject option values the examples cannot use (exits through ``p.error``)."""
+    world = env_world_size()
+    if args.cp < 1 or world % args.cp:
+        p.error(f"--cp {args.cp} must divide the number of processes, {world} (start them with torchrun "
+                "--nproc-per-node N)")
+    if args.loss_chunk < 0 or args.cp_align < 1:
+        p.error("--loss-chunk must be >= 0 and --cp-align >= 1")
+    if world > 1 and args.sliding_window is not None:
+        p.error("--sliding-window is not supported with several processes (context parallelism)")
     for name in ("max_length", "batch_size", "steps", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -137,6 +181,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def resolve_device_dtype(args) -> None:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda":
+        if args.device.index is None:  # under torchrun: one GPU per process
+            index = int(os.environ.get("LOCAL_RANK", "0")) if env_world_size() > 1 else torch.cuda.current_device()
+            args.device = torch.device("cuda", index)
+        torch.cuda.set_device(args.device)
     if args.dtype is None:
         args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     if args.device.type == "cuda":
@@ -179,11 +228,19 @@ def load_pretrained(path: str, *, attn_implementation: str, dtype: torch.dtype, 
     """``(model, tokenizer)`` of a local Hugging Face causal LM directory (tokenizer None if not wanted)."""
     import transformers
     from packaging import version
+    from transformers.utils import logging as hf_logging
 
     # transformers renamed torch_dtype to dtype in 4.56.
     key = "dtype" if version.parse(transformers.__version__).release >= (4, 56) else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation,
-                                                              **{key: dtype})
+    quiet = int(os.environ.get("RANK", "0")) > 0  # one progress bar, not one per process
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation,
+                                                                  **{key: dtype})
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
     tok = transformers.AutoTokenizer.from_pretrained(path) if tokenizer else None
     return model.to(device), tok
 
@@ -203,8 +260,6 @@ def load_model_and_tokenizer(args, attn_implementation: str):
         desc = f"{args.arch}-{args.model_size} (random init)"
     if tok.pad_token_id is None:  # many causal LMs have none; padding is never attended or scored
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     model.train()
     nparams = sum(p.numel() for p in model.parameters())
     args.model_desc = f"{desc}, {nparams / 1e6:.2f}M params, {args.dtype}"
@@ -329,6 +384,184 @@ class PackedStream:
 
 
 # --------------------------------------------------------------------------------------------------
+# several processes: FSDP2 over a (dp, cp) mesh, context parallelism over cp
+
+
+@dataclass
+class Parallel:
+    """Where this process stands. ``world == 1``: one process, nothing distributed. Otherwise
+    ``world = dp x cp`` ranks on the DeviceMesh ``mesh`` (dimensions ``"dp"``, ``"cp"``): the ``cp``
+    ranks ``[k * cp, (k + 1) * cp)`` share one batch (context-parallel ``group``, attention
+    ``mode``), the ``dp`` groups see different batches, and FSDP2 shards the parameters over all."""
+
+    rank: int = 0
+    world: int = 1
+    cp: int = 1
+    mode: str = "allgather_kv"
+    mesh: object = None
+    group: object = None
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return "1 process"
+        cp = f" {self.mode}" if self.cp > 1 else ""
+        return f"{self.world} processes, dp={self.dp} x cp={self.cp}{cp}, FSDP2"
+
+
+def init_parallel(args) -> Parallel:
+    """Under torchrun (``WORLD_SIZE`` > 1): the process group (NCCL on GPUs, gloo on the CPU) and the
+    ``(dp, cp)`` mesh; else a one-process :class:`Parallel`. Call after :func:`resolve_device_dtype`."""
+    world = env_world_size()
+    if world == 1:
+        return Parallel()
+    import torch.distributed as dist
+    from flashmask.distributed import fsdp as fm_fsdp
+
+    if not dist.is_initialized():
+        if args.device.type == "cuda":
+            dist.init_process_group("nccl", device_id=args.device)
+        else:
+            dist.init_process_group("gloo")
+    mesh = fm_fsdp.init_mesh(world // args.cp, args.cp, device_type=args.device.type)
+    mode = args.cp_mode if args.cp > 1 else "ulysses"  # a group of one: plain attention, no padding
+    return Parallel(dist.get_rank(), world, args.cp, mode, mesh, fm_fsdp.cp_group(mesh))
+
+
+def finish_parallel(par: Parallel) -> None:
+    if par.distributed:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare_model(model, args, par: Parallel, *, train: bool = True):
+    """Activation checkpointing of every layer (``--gradient-checkpointing`` / ``--offload``, when
+    ``train``); with several processes the context-parallel attention backend (``fm_cp``) and FSDP2.
+    Create the optimizer after this (it must see the sharded parameters)."""
+    if train and (args.gradient_checkpointing or args.offload != "off"):
+        from flashmask.checkpointing import enable_activation_checkpointing
+        enable_activation_checkpointing(model, offload={"off": False, "on": True, "auto": "auto"}[args.offload])
+    if par.distributed:
+        import flashmask.distributed.hf as cp_hf
+        from flashmask.distributed import fsdp as fm_fsdp
+        cp_hf.use_context_parallel(model)
+        fm_fsdp.apply_fsdp2(model, par.mesh)
+    return model
+
+
+def next_rows(stream: "PackedStream", args, par: Parallel) -> Tuple[List, List]:
+    """``(rows of the step, this rank's rows)``: every rank draws the same ``--batch-size x dp`` rows;
+    data-parallel group ``k`` takes the ``k``-th ``--batch-size`` of them (its cp ranks alike)."""
+    rows = stream.rows(args.batch_size * par.dp)
+    i = par.dp_rank * args.batch_size
+    return rows, rows[i:i + args.batch_size]
+
+
+def to_device(batch: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def chunk_size(args) -> int:
+    """Tokens per chunk of the LM head (``--loss-chunk``; 0: all in one)."""
+    return args.loss_chunk if args.loss_chunk > 0 else 2 ** 62
+
+
+def shard_batch(batch: Dict[str, torch.Tensor], args, par: Parallel):
+    """``(local, plan)``: this rank's tokens of a packed batch and the attention plan of its cp group."""
+    from flashmask import distributed as fmd
+    return fmd.shard_packed_batch(batch, group=par.group, mode=par.mode, align=args.cp_align)
+
+
+def parallel_context(plan):
+    """``with parallel_context(plan):`` around forward and backward (``nullcontext`` for ``None``)."""
+    if plan is None:
+        return nullcontext()
+    import flashmask.distributed.hf as cp_hf
+    return cp_hf.context_parallel(plan)
+
+
+def causal_lm_loss_one_process(model, batch: Dict[str, torch.Tensor], args) -> torch.Tensor:
+    """The mean next-token loss of a collated batch: decoder + chunked LM head (no ``[S, vocab]``
+    logits), or the model's own loss with ``--loss-chunk 0``."""
+    if args.loss_chunk <= 0:
+        return model(**batch, use_cache=False).loss
+    from flashmask.losses import causal_lm_loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    return causal_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], chunk_size=args.loss_chunk)
+
+
+def causal_lm_step(model, batch: Dict[str, torch.Tensor], args, par: Parallel) -> torch.Tensor:
+    """Forward and backward of the causal-LM loss of a collated packed batch (on the device);
+    returns the batch loss (with several processes: summed over cp, averaged over dp) for logging."""
+    if not par.distributed:
+        loss = causal_lm_loss_one_process(model, batch, args)
+        loss.backward()
+        return loss.detach()
+    from flashmask.distributed import fsdp as fm_fsdp
+    local, plan = shard_batch(batch, args, par)
+    with parallel_context(plan):
+        loss = fm_fsdp.lm_loss(model, local, chunk_size=chunk_size(args))  # this rank's share
+        loss.backward()
+    return fm_fsdp.reduce_loss(loss, par.mesh)
+
+
+def all_reduce(t: torch.Tensor, par: Parallel, op: str = "sum", group=None) -> torch.Tensor:
+    """``t`` reduced over all ranks (or ``group``); ``op`` "sum" or "max". No-op for one process."""
+    if par.distributed:
+        import torch.distributed as dist
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def dp_mean(values: Sequence[float], par: Parallel, device) -> List[float]:
+    """The mean of each value over the data-parallel groups (the same on the ranks of a cp group)."""
+    if par.dp == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    all_reduce(t, par)  # every cp rank holds the same values: the sum over all ranks is cp x the dp sum
+    return (t / par.world).tolist()
+
+
+def peak_memory(device: torch.device, par: Parallel) -> str:
+    """Peak memory of this process (CUDA ``max_memory_allocated``, CPU peak RSS); with several
+    processes the maximum over the ranks (a collective: every rank calls it)."""
+    gib, what = peak_memory_gib(device)
+    if not par.distributed:
+        return f"{gib:.2f} GiB ({what})"
+    t = all_reduce(torch.tensor([gib], dtype=torch.float64, device=device), par, op="max")
+    per = "GPU" if device.type == "cuda" else "process"
+    return f"{float(t):.2f} GiB/{per} ({what}, max over {par.world} ranks)"
+
+
+def packs_str(args, par: Parallel) -> str:
+    return (f"packs of {args.max_length} tokens x {args.batch_size}"
+            f"{' per data-parallel group' if par.dp > 1 else ''}")
+
+
+def rate_str(tokens_per_s: float, par: Parallel) -> str:
+    if not par.distributed:
+        return f"{tokens_per_s:,.0f} tokens/s"
+    return f"{tokens_per_s / par.world:,.0f} tokens/s/GPU ({tokens_per_s:,.0f} in all)"
+
+
+# --------------------------------------------------------------------------------------------------
 # checkpoints
 
 
@@ -343,32 +576,76 @@ def find_checkpoint(path: str) -> str:
     return max(found, key=lambda d: int(d.rsplit("-", 1)[1]))
 
 
-def save_pretrained(model, path: str) -> None:
-    """``model.save_pretrained(path)`` without transformers' progress bar, which would cut through ours."""
+def _full_model_state(model, par: Parallel) -> Optional[Dict]:
+    """With FSDP2: the whole state dict gathered to CPU on rank 0 (a collective; other ranks get
+    ``{}``). One process: ``None`` (``save_pretrained`` takes the model's own)."""
+    if not par.distributed:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _barrier(par: Parallel) -> None:
+    if par.distributed:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def save_pretrained(model, path: str, par: Optional[Parallel] = None) -> None:
+    """``model.save_pretrained(path)`` without transformers' progress bar, which would cut through ours.
+    With FSDP2 every rank must call it (the parameters are gathered); rank 0 writes."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(path)
-    finally:
-        hf_logging.enable_progress_bar()
+    par = par or Parallel()
+    state = _full_model_state(model, par)
+    if par.main:
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(path, state_dict=state)
+        finally:
+            hf_logging.enable_progress_bar()
+    _barrier(par)
 
 
-def save_checkpoint(directory: str, step: int, model, tok, optimizer, stream: PackedStream, log: LossLog) -> str:
+def optimizer_state(model, optimizer, par: Parallel) -> Dict:
+    """The optimizer state keyed by parameter name (whole tensors on rank 0 under FSDP2, a collective),
+    so that a checkpoint resumes under any number of processes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    opts = StateDictOptions(full_state_dict=par.distributed, cpu_offload=par.distributed)
+    return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_optimizer_state(model, optimizer, state: Dict, par: Parallel) -> None:
+    if state["state"] and all(isinstance(k, int) for k in state["state"]):  # written by optimizer.state_dict()
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=par.distributed))
+
+
+def save_checkpoint(directory: str, step: int, model, tok, optimizer, stream: PackedStream, log: LossLog,
+                    par: Optional[Parallel] = None) -> str:
     """``<directory>/checkpoint-<step>``: ``save_pretrained`` model and tokenizer (loadable with
-    ``--model``), plus the optimizer, data position and loss history for ``--resume``."""
+    ``--model``), plus the optimizer, data position and loss history for ``--resume``. With several
+    processes every rank calls it and rank 0 writes whole (unsharded) tensors."""
+    par = par or Parallel()
     path = os.path.join(directory, f"checkpoint-{step}")
-    save_pretrained(model, path)
-    tok.save_pretrained(path)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "stream": stream.state_dict(),
-                "history": log.rows, "torch_rng": torch.get_rng_state()}, os.path.join(path, TRAINER_STATE))
+    opt_state = optimizer_state(model, optimizer, par)
+    save_pretrained(model, path, par)
+    if par.main:
+        tok.save_pretrained(path)
+        torch.save({"step": step, "optimizer": opt_state, "stream": stream.state_dict(),
+                    "history": log.rows, "torch_rng": torch.get_rng_state()}, os.path.join(path, TRAINER_STATE))
+    _barrier(par)
     return path
 
 
-def restore(path: str, optimizer, stream: PackedStream) -> Tuple[int, List[Dict]]:
-    """Load what :func:`save_checkpoint` wrote besides the model; returns ``(step, history)``."""
+def restore(path: str, model, optimizer, stream: PackedStream,
+            par: Optional[Parallel] = None) -> Tuple[int, List[Dict]]:
+    """Load what :func:`save_checkpoint` wrote besides the model (every rank reads it); returns
+    ``(step, history)``."""
     state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(model, optimizer, state["optimizer"], par or Parallel())
     stream.load_state_dict(state["stream"])
     torch.set_rng_state(state["torch_rng"])
     return state["step"], state["history"]
@@ -380,25 +657,28 @@ def restore(path: str, optimizer, stream: PackedStream) -> Tuple[int, List[Dict]
 
 def train(args, name: str, model, tok, optimizer, stream: PackedStream,
           step_fn: Callable[[int], Tuple[torch.Tensor, int, Dict]],
-          describe: Callable[[Dict], str] = lambda extras: "") -> Dict:
+          describe: Callable[[Dict], str] = lambda extras: "", par: Optional[Parallel] = None) -> Dict:
     """Run the optimizer steps up to ``args.steps`` (from the checkpoint's step with ``--resume``).
 
     ``step_fn(step)`` takes the next rows from ``stream``, runs forward and backward, and returns
-    ``(loss, tokens, extras)``: the loss tensor, the real tokens it trained on, and numbers to log
-    (a CSV column each). This loop clips the gradients, steps the optimizer, times the step, and
-    shows a progress bar, a log line every ``--log-every`` steps (``describe(extras)`` adds to it),
-    checkpoints and the loss curve.
+    ``(loss, tokens, extras)``: the batch loss to log (with several processes: of the whole step,
+    the same on every rank), the real tokens of the step (all data-parallel groups together) and
+    numbers to log (a CSV column each). This loop clips the gradients, steps the optimizer, times
+    the step, and shows a progress bar, a log line every ``--log-every`` steps (``describe(extras)``
+    adds to it), checkpoints and the loss curve; with several processes rank 0 prints and writes.
 
-    Returns ``{"losses": [...], "first_loss", "last_loss", "tokens_per_s", "checkpoint", "loss_csv",
-    "loss_png", "history"}``; with ``--resume`` the losses and history include the earlier steps.
+    Returns ``{"losses": [...], "first_loss", "last_loss", "tokens_per_s" (all GPUs together),
+    "tokens_per_s_per_gpu", "peak_memory", "checkpoint", "loss_csv", "loss_png", "history"}``; with
+    ``--resume`` the losses and history include the earlier steps.
     """
     from tqdm.auto import tqdm
 
-    start, history = restore(args.resume, optimizer, stream) if args.resume else (0, [])
-    log, meter = LossLog(args.output_dir, history), Throughput()
+    par = par or Parallel()
+    start, history = restore(args.resume, model, optimizer, stream, par) if args.resume else (0, [])
+    log, meter = LossLog(args.output_dir if par.main else None, history), Throughput()
     bar = tqdm(total=args.steps, initial=start, desc=name, unit="step", dynamic_ncols=True,
-               disable={"auto": None, "on": False, "off": True}[args.progress])
-    say = bar.write if not bar.disable else (lambda s: print(s, flush=True))
+               disable=True if not par.main else {"auto": None, "on": False, "off": True}[args.progress])
+    say = bar.write if not bar.disable else (lambda s: print(s, flush=True) if par.main else None)
     if start:
         say(f"resumed from {args.resume} at step {start}")
     t_run = time.perf_counter()
@@ -414,29 +694,41 @@ def train(args, name: str, model, tok, optimizer, stream: PackedStream,
         meter.update(tokens, time.perf_counter() - t0)
         rate = meter.rate()
         log.add({"step": step, "loss": loss, **extras, "tokens_per_s": rate,
-                 "elapsed_s": time.perf_counter() - t_run})
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+                 "tokens_per_s_per_gpu": rate / par.world, "elapsed_s": time.perf_counter() - t_run})
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate / par.world:,.0f}", refresh=False)  # per GPU
         bar.update(1)
         if step % args.log_every == 0 or step == args.steps:
             more = describe(extras)
-            say(f"step {step:5d} | loss {loss:.4f} | {more + ' | ' if more else ''}{rate:,.0f} tokens/s | "
-                f"peak mem {peak_memory_str(args.device)}")
+            mem = peak_memory(args.device, par)
+            say(f"step {step:5d} | loss {loss:.4f} | {more + ' | ' if more else ''}{rate_str(rate, par)} | "
+                f"peak mem {mem}")
         if args.output_dir and args.save_every and step % args.save_every == 0 and step < args.steps:
-            say(f"saved {save_checkpoint(args.output_dir, step, model, tok, optimizer, stream, log)}")
+            say(f"saved {save_checkpoint(args.output_dir, step, model, tok, optimizer, stream, log, par)}")
     bar.close()
     checkpoint = None
     if args.output_dir and start < args.steps:
-        checkpoint = save_checkpoint(args.output_dir, args.steps, model, tok, optimizer, stream, log)
+        checkpoint = save_checkpoint(args.output_dir, args.steps, model, tok, optimizer, stream, log, par)
         say(f"saved {checkpoint}")
     log.close()
     png = log.plot(f"{name}: {getattr(args, 'model_desc', '')}")
     if png:
         say(f"loss curve: {log.csv_path}, {png}")
     losses = [r["loss"] for r in log.rows]
+    rate = log.rows[-1]["tokens_per_s"] if log.rows else None
     return {"losses": losses, "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "tokens_per_s": log.rows[-1]["tokens_per_s"] if log.rows else None,
-            "checkpoint": checkpoint, "loss_csv": log.csv_path, "loss_png": png, "history": log.rows}
+            "last_loss": losses[-1] if losses else None, "tokens_per_s": rate,
+            "tokens_per_s_per_gpu": None if rate is None else rate / par.world,
+            "peak_memory": peak_memory(args.device, par), "checkpoint": checkpoint, "loss_csv": log.csv_path,
+            "loss_png": png, "history": log.rows}
+
+
+def report(res: Dict, par: Parallel) -> None:
+    """The closing line (rank 0): first and last loss, tokens/s (per GPU), peak memory (per GPU)."""
+    if par.main:
+        rate = "" if res["tokens_per_s"] is None else f"{rate_str(res['tokens_per_s'], par)}, "
+        first = "-" if res["first_loss"] is None else f"{res['first_loss']:.4f}"
+        last = "-" if res["last_loss"] is None else f"{res['last_loss']:.4f}"
+        print(f"done: loss {first} -> {last}, {rate}peak mem {res['peak_memory']} [{par.describe()}]", flush=True)
 
 
 def backend_note(device: torch.device, dtype: torch.dtype) -> str:

@@ -28,6 +28,16 @@ Examples::
     python training_examples/sft_packed.py --device cuda --model ~/models/Qwen2.5-0.5B \\
         --max-length 32768 --batch-size 1 --steps 100 --lr 1e-5 --gradient-checkpointing \\
         --output-dir runs/sft-qwen --save-every 50
+
+    # 2 GPUs: packs of 256K tokens, each split over both (context parallelism), FSDP2
+    torchrun --nproc-per-node 2 training_examples/sft_packed.py --cp 2 --model ~/models/Qwen2.5-0.5B \\
+        --max-length 262144 --batch-size 1 --steps 100 --lr 1e-5 --gradient-checkpointing
+
+With several processes (``torchrun --nproc-per-node N``) the parameters are sharded with FSDP2
+over all N; ``--cp C`` splits every packed row over C ranks (``--cp-mode``), and the N / C
+data-parallel groups each take ``--batch-size`` rows per step. The LM head and the loss run in
+chunks of ``--loss-chunk`` tokens (no ``[S, vocab]`` logits); ``--offload on`` keeps the activation
+checkpoints in host memory. Rank 0 prints tokens/s per GPU and the peak memory of the fullest GPU.
 """
 from __future__ import annotations
 
@@ -54,6 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "for comparison")
     args = p.parse_args(argv)
     example_utils.check_args(p, args)
+    if args.attn_implementation and example_utils.env_world_size() > 1:
+        p.error("--attn-implementation: several processes use the context-parallel backend 'fm_cp'")
     return args
 
 
@@ -75,34 +87,43 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     """Run the example; returns ``example_utils.train``'s summary (losses, tokens_per_s, checkpoint, ...)."""
     args = parse_args(argv)
     example_utils.resolve_device_dtype(args)
+    par = example_utils.init_parallel(args)
+    try:
+        return run(args, par)
+    finally:
+        example_utils.finish_parallel(par)
+
+
+def run(args, par: example_utils.Parallel) -> Dict:
     import flashmask.integrations.transformers as fm_hf
     from flashmask.data import PackedSFTCollator
 
     attn = args.attn_implementation or fm_hf.ATTN_IMPLEMENTATION
     model, tok = example_utils.load_model_and_tokenizer(args, attn)
+    example_utils.prepare_model(model, args, par)
     docs = load_documents(args, tok)
     size = lambda d: len(d["input_ids"])  # noqa: E731
     stream = example_utils.PackedStream(docs, size, args.max_length, args.seed)
-    print(f"sft_packed: {args.model_desc} on {args.device}, attn_implementation={attn} "
-          f"[{example_utils.backend_note(args.device, args.dtype)}], {len(docs)} documents"
-          f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
-          f"packs of {args.max_length} tokens x {args.batch_size}", flush=True)
+    if par.main:
+        print(f"sft_packed: {args.model_desc} on {args.device}, attn_implementation="
+              f"{model.config._attn_implementation} [{example_utils.backend_note(args.device, args.dtype)}], "
+              f"{par.describe()}, {len(docs)} documents"
+              f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
+              f"{example_utils.packs_str(args, par)}", flush=True)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # after sharding
     collate = PackedSFTCollator(args.max_length, pad_token_id=tok.pad_token_id,
                                 padding="max_length" if args.device.type == "cuda" else "longest")
 
     def step(_):
-        rows = stream.rows(args.batch_size)
-        batch = {k: v.to(args.device, non_blocking=True) for k, v in collate.collate_rows(rows).items()}
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        return loss, sum(size(d) for row in rows for d in row), {"docs": sum(len(r) for r in rows)}
+        rows_all, rows = example_utils.next_rows(stream, args, par)
+        batch = example_utils.to_device(collate.collate_rows(rows), args.device)
+        loss = example_utils.causal_lm_step(model, batch, args, par)
+        return loss, sum(size(d) for row in rows_all for d in row), {"docs": sum(len(r) for r in rows_all)}
 
     res = example_utils.train(args, "sft_packed", model, tok, opt, stream, step,
-                              describe=lambda extras: f"{extras['docs']} docs")
-    print(f"done: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
-          f"peak mem {example_utils.peak_memory_str(args.device)}", flush=True)
+                              describe=lambda extras: f"{extras['docs']} docs", par=par)
+    example_utils.report(res, par)
     return res
 
 

@@ -5,7 +5,7 @@ import collections
 import csv
 import os
 import resource
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,11 +34,17 @@ class Throughput:
         return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-9)
 
 
+def peak_memory_gib(device: torch.device) -> Tuple[float, str]:
+    """``(GiB, what)``: CUDA ``max_memory_allocated`` (``"cuda"``) or the process' peak RSS (``"rss"``)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "cuda"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+
+
 def peak_memory_str(device: torch.device) -> str:
     """Peak memory so far: CUDA ``max_memory_allocated`` or the process' peak RSS on CPU."""
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB (cuda)"
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (rss)"
+    gib, what = peak_memory_gib(device)
+    return f"{gib:.2f} GiB ({what})"
 
 
 class LossLog:

@@ -57,7 +57,7 @@ ROW_FIELDS = ("family", "seqlen", "head_dim", "heads", "batch", "mode", "method"
 # --------------------------------------------------------------------------------------------
 
 def parse_int_list(text: str) -> List[int]:
-    """``"8192,32k,128K"`` -> ``[8192, 32768, 131072]`` (k = 1024)."""
+    """``"8192,32k,128K,2m"`` -> ``[8192, 32768, 131072, 2097152]`` (k = 1024, m = 1024 * 1024)."""
     out = []
     for tok in str(text).split(","):
         tok = tok.strip().lower()
@@ -66,6 +66,8 @@ def parse_int_list(text: str) -> List[int]:
         mult = 1
         if tok.endswith("k"):
             tok, mult = tok[:-1], 1024
+        elif tok.endswith("m"):
+            tok, mult = tok[:-1], 1024 * 1024
         try:
             val = int(tok) * mult
         except ValueError:

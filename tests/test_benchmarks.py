@@ -166,7 +166,7 @@ def test_dense_mask_in_chunks_and_is_plain():
 
 
 def test_parse_helpers():
-    assert common.parse_int_list("8192, 32k,128K") == [8192, 32768, 131072]
+    assert common.parse_int_list("8192, 32k,128K,2m") == [8192, 32768, 131072, 2097152]
     with pytest.raises(ValueError):
         common.parse_int_list("8x")
     assert common.parse_choice_list("all", ("a", "b"), "x") == ["a", "b"]

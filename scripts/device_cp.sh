@@ -6,20 +6,20 @@
 #   PHASE=long   the longest row at CP=2
 #   PHASE=short  the tests, attention alone and one SFT comparison in one call
 set -o pipefail
-export FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=64,128 FLASHMASK_DTYPES=bf16 MAX_JOBS=${MAX_JOBS:-32}
+export FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=64,128 FLASHMASK_DTYPES=fp16,bf16 MAX_JOBS=${MAX_JOBS:-32}
 export PYTHONWARNINGS=ignore
 OUT=${OUT:-$PWD/device_out}
 CP="python3 benchmarks/bench_cp.py"
 case "${PHASE:-test}" in
 test)
     export TESTS="tests/test_distributed_gpu.py" TEST_TIMEOUT=200
-    export BENCH="timeout 120 torchrun --nproc-per-node 2 $CP attn --families causal_document --seqlens 128k,256k,512k,1024k --out $OUT/cp; timeout 100 torchrun --nproc-per-node 2 $CP attn --families share_question --seqlens 128k,256k --out $OUT/cp" ;;
+    export BENCH="timeout 120 torchrun --nproc-per-node 2 benchmarks/bench_cp.py attn --families causal_document --seqlens 128k,256k,512k,1024k --out $OUT/cp; timeout 100 torchrun --nproc-per-node 2 benchmarks/bench_cp.py attn --families share_question --seqlens 128k,256k --out $OUT/cp" ;;
 train)
-    export BENCH="timeout 200 $CP train --cp 1 --seqlens 128k,256k --steps 3 --warmup-steps 1 --out $OUT/cp; timeout 250 torchrun --nproc-per-node 2 $CP train --cp 2 --seqlens 256k,512k --steps 3 --warmup-steps 1 --out $OUT/cp" ;;
+    export BENCH="timeout 200 $CP train --cp 1 --seqlens 128k,256k --steps 3 --warmup-steps 1 --out $OUT/cp; timeout 250 torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 256k,512k --steps 3 --warmup-steps 1 --out $OUT/cp" ;;
 short)
     export TESTS="tests/test_distributed_gpu.py" TEST_TIMEOUT=150
-    export BENCH="timeout 90 torchrun --nproc-per-node 2 $CP attn --families causal_document --seqlens 128k,256k,512k,1024k --out $OUT/cp; timeout 70 torchrun --nproc-per-node 2 $CP attn --families share_question --seqlens 128k,256k --out $OUT/cp; timeout 80 $CP train --cp 1 --seqlens 128k --steps 3 --warmup-steps 1 --out $OUT/cp; timeout 100 torchrun --nproc-per-node 2 $CP train --cp 2 --seqlens 256k --steps 3 --warmup-steps 1 --out $OUT/cp" ;;
+    export BENCH="timeout 90 torchrun --nproc-per-node 2 benchmarks/bench_cp.py attn --families causal_document --seqlens 128k,256k,512k,1024k --out $OUT/cp; timeout 70 torchrun --nproc-per-node 2 benchmarks/bench_cp.py attn --families share_question --seqlens 128k,256k --out $OUT/cp; timeout 80 $CP train --cp 1 --seqlens 128k --steps 3 --warmup-steps 1 --out $OUT/cp; timeout 100 torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 256k --steps 3 --warmup-steps 1 --out $OUT/cp" ;;
 long)
-    export BENCH="timeout 500 torchrun --nproc-per-node 2 $CP train --cp 2 --seqlens 2m --offload auto --steps 2 --warmup-steps 1 --out $OUT/cp" ;;
+    export BENCH="timeout 500 torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 2m --offload auto --steps 2 --warmup-steps 1 --out $OUT/cp" ;;
 esac
 bash scripts/device_check.sh

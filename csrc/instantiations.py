@@ -36,7 +36,7 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
     },
     "sm90": {
         "fwd": Kernel("sm90/fwd_launch.h", "sm90::run_fwd", "AttnParams"),
-        # H100, D=128: 0.90-1.13x the SM80 backward by mask family (docs/perf_notes.md, version 16).
+        # H100, D=128: 0.92-1.17x the SM80 backward by mask family (docs/perf_notes.md, version 16).
         "bwd_kv": Kernel("sm90/bwd_launch.h", "sm90::run_bwd", "BwdParams", auto=False),
     },
 }

@@ -4,7 +4,7 @@ For every (family, seqlen, head dim) the mask is ``masks.examples.example(family
 method gets exactly that mask (FlexAttention through a mask_mod read from the same
 ``startend_row_indices``; SDPA through the dense bool mask, or ``is_causal`` for the flash and cuDNN
 backends when the mask is plain causal or full). FLOPs are counted on unmasked pairs only
-(SPEC section 5), so TFLOP/s of different methods on one row compare their times directly.
+(fwd = 4*B*H*D*pairs, bwd = 2.5x), so TFLOP/s of different methods on one row compare their times directly.
 
 ``--methods ...,flashmask_det`` adds flashmask with ``deterministic=True`` (bitwise reproducible
 gradients): backward rows only (its forward is the default one), next to ``flashmask`` so that the

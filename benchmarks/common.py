@@ -1,9 +1,9 @@
 """Shared pieces of the benchmark scripts.
 
-* FLOP accounting on unmasked pairs (SPEC section 5): :func:`count_pairs`, :func:`total_pairs`,
+* FLOP accounting on unmasked pairs (fwd = 4*B*H*D*pairs, bwd = 2.5x): :func:`count_pairs`, :func:`total_pairs`,
   :func:`attn_flops`. The counter works from the column intervals in O(Sk) and does not use
   ``masks/format.py``, so that the tests can check it against ``masks.format.to_dense``.
-* Tile accounting (SPEC section 4 skip rules): :func:`tile_stats`.
+* Tile accounting (the kernels' skip rules, csrc/mask/intervals.h): :func:`tile_stats`.
 * The methods compared (:data:`METHODS`, plus the opt-in :data:`EXTRA_METHODS`) behind one
   interface: :func:`prepare_method` returns a :class:`Prepared` whose ``attn(q, k, v)`` takes and
   returns ``[B, S, H, D]`` tensors; :func:`method_modes` drops the modes a method has no row for.
@@ -44,7 +44,7 @@ EXTRA_METHODS = ("flashmask_det", "flashmask_sm80")
 ALL_METHODS = METHODS + EXTRA_METHODS
 METHOD_SKIP_MODES = {"flashmask_det": ("fwd",)}
 MODES = ("fwd", "bwd", "fwdbwd")
-# FLOPs of a mode relative to the forward's 4 * B * H * D * pairs (SPEC section 5).
+# FLOPs of a mode relative to the forward's 4 * B * H * D * pairs.
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -131,7 +131,7 @@ def _mask_layout(startend: torch.Tensor, causal: bool) -> int:
 def canonical_intervals(startend: torch.Tensor, causal: bool, seqlen_q: int):
     """The two masked row intervals of every key column, ``(lts, lte, uts, ute)`` int64
     ``[B, Hm, Sk]`` clamped to ``[0, Sq]``: rows in ``[lts, lte)`` and in ``[uts, ute)`` are masked
-    (absent vectors become neutral: ``lte = Sq``, ``uts = ute = 0``). SPEC section 2."""
+    (absent vectors become neutral: ``lte = Sq``, ``uts = ute = 0``). See docs/format.md."""
     c = _mask_layout(startend, causal)
     x = startend.long().clamp(0, int(seqlen_q))
     cols = x.unbind(-1)
@@ -203,7 +203,7 @@ def total_pairs(startend: Optional[torch.Tensor], causal: bool, *, batch: int, h
 
 
 def attn_flops(pairs: int, head_dim: int, mode: str) -> float:
-    """SPEC section 5: fwd = 4 * D * pairs (pairs already summed over B and H), bwd = 2.5 x fwd,
+    """FLOPs on unmasked pairs: fwd = 4 * D * pairs (pairs already summed over B and H), bwd = 2.5 x fwd,
     fwd+bwd = 3.5 x fwd."""
     return 4.0 * head_dim * pairs * FLOP_FACTOR[mode]
 
@@ -230,7 +230,7 @@ def add_testing_args(p, device_help: str = "torch device (cpu only for smoke tes
 
 
 def bounds_bytes(startend: torch.Tensor, block_n: int) -> int:
-    """Bytes of the per-key-block mask bounds (8 int32 per block of ``block_n`` columns, SPEC 4)."""
+    """Bytes of the per-key-block mask bounds (8 int32 per block of ``block_n`` columns, csrc/mask/bounds.h)."""
     b, hm, sk, _ = startend.shape
     return b * hm * math.ceil(sk / block_n) * 8 * 4
 
@@ -248,7 +248,7 @@ def _block_min_max(x: torch.Tensor, block: int):
 
 def tile_stats(startend: Optional[torch.Tensor], causal: bool, seqlen_q: int, block_m: int, block_n: int,
                seqlen_k: Optional[int] = None, return_maps: bool = False) -> Dict[str, object]:
-    """Classify every (query tile, key block) pair by the kernel rules of SPEC section 4.
+    """Classify every (query tile, key block) pair by the kernels' rules (csrc/mask/intervals.h).
 
     A tile is skipped when the causal triangle or one interval hides it whole (from the per-block
     min/max); it is partial when the causal diagonal or an interval may touch it. Returns counts
@@ -314,7 +314,7 @@ def _split_vectors(startend: torch.Tensor, num_heads: Optional[int]):
 
 
 def _mask_mod_from_vectors(vecs, causal: bool, offset: int, group: int):
-    """A FlexAttention ``mask_mod`` (True = attend) over the interval vectors ``vecs`` (SPEC 2 table).
+    """A FlexAttention ``mask_mod`` (True = attend) over the interval vectors ``vecs`` (the table of docs/format.md).
 
     ``offset = Sk - Sq``: causal keeps ``kv_idx <= q_idx + offset`` (bottom-right alignment).
     ``group = Hq // Hm`` when the vectors carry a head dimension, else 0.

@@ -61,7 +61,7 @@ def test_slice_rows_matches_dense_rows(causal, c, sq, sk):
 
 
 def test_slice_rows_out_of_range_values_act_clamped():
-    # SPEC section 7: values outside [0, Sq] act clamped, start > end is empty.
+    # docs/format.md: values outside [0, Sq] act clamped, start > end is empty.
     sq = sk = 12
     raw = torch.tensor([[-3, 20], [5, 2], [13, 15], [0, 0], [4, 30]] + [[12, 12]] * 7, dtype=torch.int32)
     mask = raw.view(1, 1, sk, 2)
@@ -223,7 +223,7 @@ def test_pad_mask_hides_padding_from_real_rows(causal, c):
 
 
 def test_document_mask_from_position_ids_rule():
-    # SPEC section 7: a document starts wherever the position does not grow by exactly 1
+    # docs/format.md: a document starts wherever the position does not grow by exactly 1
     pos = torch.tensor([[0, 1, 2, 5, 6, 0, 1, 1]])
     m = fmd.document_mask_from_position_ids(pos, causal=True)
     assert m[0, 0, :, 0].tolist() == [3, 3, 3, 5, 5, 7, 7, 8]

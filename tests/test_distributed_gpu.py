@@ -3,7 +3,7 @@
 Each case builds the whole problem on every rank (same seed), runs
 
 * the float32 reference (``reference_attention`` on the bf16/fp16 inputs upcast) and the plain
-  half-precision implementation (the SPEC section 6 baseline), forward and backward;
+  half-precision implementation (the baseline of tests/attn_helpers.py), forward and backward;
 * one GPU's kernels on the whole sequence (``flashmask_attention(backend="cuda")``);
 * both context-parallel modes on the rank's shard with ``backend="cuda"``;
 

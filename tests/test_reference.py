@@ -48,7 +48,7 @@ def _check_matches(out, lse, ref_out, ref_lse, **tol):
 
 # --- the oracle itself --------------------------------------------------------------------------
 
-SPEC_PICTURES = {  # docs/format.md worked examples, Sq = Sk = 10: (startend columns, causal, picture)
+FORMAT_PICTURES = {  # docs/format.md worked examples, Sq = Sk = 10: (startend columns, causal, picture)
     "sliding": ([[3, 4, 5, 6, 7, 8, 9, 10, 10, 10]], True,
                 "#......... ##........ ###....... .###...... ..###..... ...###.... ....###... .....###.. "
                 "......###. .......###"),
@@ -68,9 +68,9 @@ SPEC_PICTURES = {  # docs/format.md worked examples, Sq = Sk = 10: (startend col
 }
 
 
-@pytest.mark.parametrize("name", list(SPEC_PICTURES))
+@pytest.mark.parametrize("name", list(FORMAT_PICTURES))
 def test_oracle_mask_matches_spec_pictures(name):
-    cols, causal, pic = SPEC_PICTURES[name]
+    cols, causal, pic = FORMAT_PICTURES[name]
     se = torch.tensor(cols, dtype=torch.int32).T.reshape(1, 1, 10, len(cols))
     want = torch.tensor([[ch == "#" for ch in row] for row in pic.split()])
     assert torch.equal(dense_from_intervals(se, causal, 10, 10)[0, 0], want)

@@ -64,7 +64,7 @@ def slice_rows(startend_row_indices: Optional[torch.Tensor], causal: bool, r0: i
 
     Args:
         startend_row_indices: int32 ``[B, Hm, Sk, C]`` (or ``None``) for ``causal``.
-        causal: how the global mask is read (SPEC section 2; bottom-right aligned if Sq != Sk).
+        causal: how the global mask is read (docs/format.md; bottom-right aligned if Sq != Sk).
         r0, r1: the block of global query rows, ``0 <= r0 <= r1 <= Sq``.
         seqlen_q: global Sq (default Sk). seqlen_k: needed only when the mask is ``None``.
         device: where a mask built from ``None`` goes (default: the mask's device, else CPU).

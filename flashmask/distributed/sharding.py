@@ -15,7 +15,7 @@ What :func:`shard_packed_batch` does, in this order:
    so that every rank normalises its partial loss sum by the global count.
 2. Take the mask from ``attn_mask_startend_row_indices``, else derive the document mask from
    ``cu_seq_lens_q`` or from restarting ``position_ids`` (a document starts wherever the position
-   does not grow by exactly 1, SPEC section 7), else plain causal.
+   does not grow by exactly 1, docs/format.md), else plain causal.
 3. Pad the row to a length the mode can split (:func:`pad_packed_batch`; all-gather-KV: a
    multiple of ``num_chunks * align``, by default ``8 * P * align``): padding is one more
    document at the end that no real token sees, with label -100.
@@ -75,7 +75,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 def document_mask_from_position_ids(position_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """int32 ``[B, 1, S, C]`` document mask: a document starts at token 0 and wherever the position
-    does not grow by exactly 1 (SPEC section 7). Causal: C=1 (LTS = document end); else C=2."""
+    does not grow by exactly 1 (docs/format.md). Causal: C=1 (LTS = document end); else C=2."""
     pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1

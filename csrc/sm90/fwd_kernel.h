@@ -5,8 +5,9 @@
 // of the tile, loading Q once and each visible block's K and V by TMA into a pipeline of
 // mbarrier-guarded stages: a block the column intervals mask entirely is never loaded. Two consumer
 // warpgroups of 64 rows each walk the same blocks (KeyBlockWalk, shared with the SM80 kernels) and
-// issue S = Q K^T and O += P V as wgmma; only partial blocks get the element-wise compare, against
-// their mask columns staged in shared memory.
+// issue S = Q K^T and O += P V as wgmma, each block's S together with the previous block's P V and
+// the two warpgroups taking turns (pingpong); only partial blocks get the element-wise compare,
+// against their mask columns staged in shared memory.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>

@@ -11,7 +11,8 @@ balancer's imbalance (attention work of the busiest rank over the mean).
 a 32K vocabulary, 0.39B parameters, Llama classes by default as in bench_train.py; documents of 128-4096 tokens packed per row): FSDP2 over the
 P ranks, context parallelism over them (``--cp``), the ``fm_cp`` transformers backend, the
 chunked LM loss (no ``[S, vocab]`` logits) and per-layer activation checkpointing
-(``--offload``: checkpoints in pinned host memory). ``--cp 1`` without torchrun is the one-GPU
+(``--offload``: checkpoints in pinned host memory; ``--mlp-chunk``: the MLPs run that many tokens
+at a time, no ``[S, intermediate]`` temporaries). ``--cp 1`` without torchrun is the one-GPU
 baseline (``fm_colmask`` backend, same loss and checkpointing). Prints tokens/s per GPU and the
 peak memory per GPU; ``--find-max`` doubles the row length until a step fails.
 
@@ -21,6 +22,7 @@ Run (2 GPUs)::
     python benchmarks/bench_cp.py train --cp 1 --seqlens 256k,512k                # one GPU
     torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 512k,1m
     torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 2m --offload
+    python benchmarks/bench_cp.py train --cp 1 --seqlens 1m --offload               # MLP in 64K chunks
     python benchmarks/bench_cp.py attn --device cpu --tiny --nproc 2              # CPU dry run (gloo)
     python benchmarks/bench_cp.py train --device cpu --tiny --nproc 2             # CPU dry run
 
@@ -48,8 +50,8 @@ ATTN_FIELDS = ("family", "seqlen", "heads", "kv_heads", "head_dim", "mode", "cp"
                "tflops_per_gpu", "tflops_total", "speedup", "efficiency", "imbalance", "plan_ms", "pairs",
                "peak_mem_gib", "notes")
 TRAIN_FIELDS = ("model", "params", "seqlen", "cp", "cp_mode", "tokens_per_gpu", "status", "tokens_per_s",
-                "tokens_per_s_per_gpu", "ms_per_step", "peak_mem_gib", "offload", "loss_first", "loss_last",
-                "imbalance", "notes")
+                "tokens_per_s_per_gpu", "ms_per_step", "peak_mem_gib", "offload", "mlp_chunk", "loss_first",
+                "loss_last", "imbalance", "notes")
 # name -> (hidden, intermediate, layers, heads, kv heads, vocab)
 MODELS = {"0.5b": (896, 4864, 24, 14, 2, 32000), "tiny": (64, 128, 2, 4, 2, 320)}
 
@@ -298,7 +300,7 @@ def build_model(args, device, dtype):
 def bench_train(args):
     import flashmask.distributed.hf as cp_hf
     from flashmask import distributed as fmd
-    from flashmask.checkpointing import enable_activation_checkpointing
+    from flashmask.checkpointing import chunk_mlp, enable_activation_checkpointing
     from flashmask.distributed import fsdp as fm_fsdp
     from flashmask.losses import causal_lm_loss
 
@@ -316,8 +318,8 @@ def bench_train(args):
     vocab = MODELS[args.model_size][5]
     if rank == 0:
         print(f"packed SFT: {args.model_size} {args.dtype}, {world} ranks (dp={dp}, cp={cp}, {args.cp_mode}), "
-              f"offload={args.offload}, loss chunk {args.loss_chunk}, {args.warmup_steps} warmup + {args.steps} "
-              f"timed steps", flush=True)
+              f"offload={args.offload}, loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk or 'off'}, "
+              f"{args.warmup_steps} warmup + {args.steps} timed steps", flush=True)
 
     def add(row):
         rows.append(row)
@@ -335,6 +337,8 @@ def bench_train(args):
         model = build_model(args, device, dtype)
         params = sum(p.numel() for p in model.parameters())
         enable_activation_checkpointing(model, offload={"off": False, "on": True, "auto": "auto"}[args.offload])
+        if args.mlp_chunk:
+            chunk_mlp(model, args.mlp_chunk)
         if world > 1:
             cp_hf.use_context_parallel(model)
             fm_fsdp.apply_fsdp2(model, mesh)
@@ -382,7 +386,7 @@ def bench_train(args):
     while i < len(seqlens):
         s = seqlens[i]
         row = {"model": args.model_size, "seqlen": s, "cp": cp, "cp_mode": args.cp_mode if world > 1 else "none",
-               "tokens_per_gpu": s // cp, "offload": args.offload}
+               "tokens_per_gpu": s // cp, "offload": args.offload, "mlp_chunk": args.mlp_chunk}
         try:
             row.update(run(s), status="ok")
         except Exception as e:  # noqa: BLE001
@@ -449,6 +453,10 @@ def build_parser():
                            help="activation checkpoints in pinned host memory (auto: only where the checkpoints "
                                 "of all layers would take more than a quarter of the GPU)")
             s.add_argument("--loss-chunk", type=int, default=8192, help="tokens per chunk of the LM loss")
+            s.add_argument("--mlp-chunk", type=int, default=None,
+                           help="tokens per chunk of every layer's MLP, each chunk checkpointed, so that no "
+                                "[S, intermediate] temporaries exist (the local tokens under CP); 0: off; "
+                                "default: 65536 with --offload on/auto, else off")
             s.add_argument("--doc-len", default="128,4096")
     return p
 
@@ -469,6 +477,11 @@ def parse_args(argv=None):
         if args.tiny:
             args.model_size, args.seqlens, args.align, args.steps, args.doc_len = "tiny", [128], 8, 2, [8, 40]
             args.loss_chunk = 32
+        if args.mlp_chunk is None:  # chunking pays where the offload already made room for long rows
+            from flashmask.checkpointing import MLP_CHUNK_TOKENS
+            args.mlp_chunk = MLP_CHUNK_TOKENS if args.offload != "off" else 0
+        if args.mlp_chunk < 0:
+            raise SystemExit(f"--mlp-chunk must be >= 0 (0: off), got {args.mlp_chunk}")
         nproc = int(os.environ.get("WORLD_SIZE", args.nproc))
         args.cp = nproc if args.cp is None else args.cp
         if args.cp == 1 and "WORLD_SIZE" not in os.environ:

@@ -14,9 +14,19 @@ copies (2 x S x hidden x 2 bytes per layer and step, overlapped with compute in 
 are small against the layer's compute. Do not combine it with anything that keeps the layer
 inputs for reading after the forward (``output_hidden_states=True``).
 
+With the layer inputs on the host, what limits the row length is what one layer creates while it
+runs: the MLP's ``[S, intermediate]`` temporaries (gate, up, the activation and their product,
+about 10 GB each at 1M tokens x 4864 in bf16, and their gradients in the backward recompute).
+:func:`chunk_mlp` runs every MLP ``chunk_tokens`` tokens at a time, each chunk checkpointed, so
+that at most one chunk's temporaries exist in the forward, in the layer's recompute and in the
+backward. The MLP acts on every token alone, so the results are those of the whole call. The
+price is up to one more MLP forward per step where the layer is checkpointed too (the layer's
+recompute runs the chunks' forward, and each chunk's backward recomputes it once more).
+
 Example (a transformers model)::
 
     enable_activation_checkpointing(model, offload=True)   # every decoder layer
+    chunk_mlp(model, chunk_tokens=65536)                   # every layer's mlp, 64K tokens at a time
 """
 from __future__ import annotations
 
@@ -25,10 +35,13 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["offload_checkpoint", "enable_activation_checkpointing", "OFFLOAD_MIN_BYTES"]
+__all__ = ["offload_checkpoint", "enable_activation_checkpointing", "chunk_mlp", "OFFLOAD_MIN_BYTES",
+           "MLP_CHUNK_TOKENS"]
 
 #: Inputs smaller than this stay on the device (the copies would cost more than they save).
 OFFLOAD_MIN_BYTES = 1 << 20
+#: Default tokens per MLP chunk: 64K x 4864 x 2 bytes = 0.6 GB per temporary, GEMMs still large.
+MLP_CHUNK_TOKENS = 65536
 _streams: dict = {}
 
 
@@ -169,4 +182,76 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
             return checkpoint(_inner, *a, use_reentrant=False, **k)
 
         layer.forward = forward
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# the MLP in chunks of tokens
+
+_MLP_INNER = "_flashmask_mlp_forward"  # the forward a chunked mlp calls per chunk
+_MLP_CHUNK = "_flashmask_mlp_chunk_tokens"
+
+
+def _chunked_forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs):
+    """``module``'s original forward over ``x`` ``[..., H]`` in chunks of tokens (all leading
+    dimensions flattened: the MLP treats every token alone, so a chunk may cross rows)."""
+    inner, chunk = getattr(module, _MLP_INNER), getattr(module, _MLP_CHUNK)
+    tokens = x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else 0
+    if tokens <= chunk:
+        return inner(x, *args, **kwargs)
+    # Non-reentrant checkpoints nest inside the layer's own checkpoint and leave FSDP2's hooks,
+    # which sit on the layer, alone. Without grad there is nothing to save, hence nothing to recompute.
+    if torch.is_grad_enabled():
+        run = functools.partial(checkpoint, inner, use_reentrant=False)
+    else:
+        run = inner
+    outs = []
+    for part in x.reshape(tokens, x.shape[-1]).split(chunk):
+        y = run(part, *args, **kwargs)
+        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != part.shape[0]:
+            raise TypeError(f"chunk_mlp: {type(module).__name__} must map [tokens, H] to one tensor "
+                            f"[tokens, H'], got {type(y).__name__} {tuple(getattr(y, 'shape', ()))}")
+        outs.append(y)
+    out = torch.cat(outs)  # the backward of cat only slices: no copy of the gradient per chunk
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _find_mlps(model: torch.nn.Module, name: str) -> list:
+    """Every submodule registered as ``name``, outermost first, none inside another one."""
+    found = []
+    for path, m in model.named_modules():
+        if path.rsplit(".", 1)[-1] == name and not any(path.startswith(p + ".") for p, _ in found):
+            found.append((path, m))
+    return [m for _, m in found]
+
+
+def chunk_mlp(model: torch.nn.Module, chunk_tokens: int = MLP_CHUNK_TOKENS, *, modules=None,
+              name: str = "mlp") -> torch.nn.Module:
+    """Run every MLP of ``model`` ``chunk_tokens`` tokens at a time, each chunk checkpointed.
+
+    The MLPs are the submodules registered as ``name`` (``"mlp"``: the ``LlamaMLP`` /
+    ``Qwen2MLP`` / ... of each decoder layer of a transformers causal LM), or ``modules``. Their
+    ``forward`` is replaced on the instance (the parameters, their names and the state dict stay
+    as they are, so FSDP2's ``fully_shard`` of the layer, saving and loading see no difference)
+    by one that splits the input ``[..., H]`` into chunks of ``chunk_tokens`` tokens and runs the
+    original forward on each under ``checkpoint(..., use_reentrant=False)`` (plainly when
+    gradients are off). Under context parallelism the MLP sees this rank's tokens: those are
+    chunked. Inputs of at most ``chunk_tokens`` tokens take the original forward unchanged.
+    Calling it again changes the chunk size. Composes with :func:`enable_activation_checkpointing`
+    (either order). Returns ``model``.
+
+    Only for MLPs that act on each token alone (every dense transformer MLP; MoE blocks route
+    per token too, but their auxiliary outputs are not supported: the output must be one tensor).
+    """
+    if isinstance(chunk_tokens, bool) or not hasattr(chunk_tokens, "__index__") or int(chunk_tokens) < 1:
+        raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens!r}")
+    targets = list(modules) if modules is not None else _find_mlps(model, name)
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no submodule named {name!r} to chunk; pass modules=[...] "
+                         "(the MLP of each layer)")
+    for m in targets:
+        if _MLP_INNER not in m.__dict__:
+            m.__dict__[_MLP_INNER] = m.forward  # kept outside _modules/_parameters: no new state
+            m.forward = functools.partial(_chunked_forward, m)
+        m.__dict__[_MLP_CHUNK] = int(chunk_tokens)
     return model

@@ -44,8 +44,11 @@ def test_train_dry_run_matches_one_process(tmp_path):
     pytest.importorskip("transformers")
     _run(["train", "--cp", "1"], tmp_path / "one")
     _run(["train", "--nproc", "2"], tmp_path / "two")
-    _run(["train", "--nproc", "2", "--cp-mode", "ulysses", "--offload"], tmp_path / "uly")
+    # the MLPs of the 64 local tokens in chunks of 24 (--offload alone would chunk by 65536: a no-op here)
+    out = _run(["train", "--nproc", "2", "--cp-mode", "ulysses", "--offload", "--mlp-chunk", "24"], tmp_path / "uly")
+    assert "MLP chunk 24" in out
     one = _rows(tmp_path / "one" / "train.csv")[0]
+    assert one["mlp_chunk"] == "0" and _rows(tmp_path / "uly" / "train.csv")[0]["mlp_chunk"] == "24"
     for sub in ("two", "uly"):
         row = _rows(tmp_path / sub / "train.csv")[0]
         assert row["status"] == "ok" and row["cp"] == "2"

@@ -465,12 +465,12 @@ def test_four_processes(world4, name):
 # transformers + FSDP2 on a (dp=1, cp=2) DeviceMesh, gloo: loss and gradients equal one process's
 
 
-def _hf_case(mode, rank, ckpt=False, fsdp=True):
+def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0):
     import transformers
 
     import flashmask.distributed.hf as cp_hf
     import flashmask.integrations.transformers as fm_hf
-    from flashmask.checkpointing import enable_activation_checkpointing
+    from flashmask.checkpointing import chunk_mlp, enable_activation_checkpointing
     from flashmask.distributed import fsdp as fm_fsdp
     from flashmask.losses import causal_lm_loss
 
@@ -502,6 +502,11 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True):
     cp_hf.use_context_parallel(model)
     if ckpt:
         enable_activation_checkpointing(model, offload=True, min_bytes=0)
+    rows = []  # tokens per call of the MLPs (the local shard, in chunks)
+    if mlp_chunk:
+        chunk_mlp(model, mlp_chunk)
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.register_forward_hook(lambda m, i, o: rows.append(i[0].numel() // i[0].shape[-1]))
     mesh = fm_fsdp.init_mesh(1, 2, device_type="cpu")
     if fsdp:
         fm_fsdp.apply_fsdp2(model, mesh)
@@ -518,6 +523,8 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True):
     for n, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(grad, ref_grads[n], rtol=1e-8, atol=1e-10, msg=lambda m: f"{n}: {m}")
+    if mlp_chunk:
+        assert max(rows) == mlp_chunk and local["input_ids"].shape[1] % mlp_chunk, rows  # chunks of the shard
     # the backend refuses to run without a plan
     try:
         with torch.no_grad():
@@ -599,7 +606,8 @@ def _hf_dpo_case(mode, rank):
 
 
 _HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv-offloaded-checkpoints",
-             "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv"]
+             "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv",
+             "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp"]
 
 
 def _hf_worker(rank, world, init_file, outdir, names):
@@ -613,7 +621,8 @@ def _hf_worker(rank, world, init_file, outdir, names):
                 if "dpo" in name:
                     _hf_dpo_case(mode, rank)
                 else:
-                    _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name)
+                    _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
+                             mlp_chunk=7 if "chunked-mlp" in name else 0)
                 results[name] = "ok"
             except Exception:
                 results[name] = traceback.format_exc()

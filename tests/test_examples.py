@@ -112,8 +112,28 @@ def test_help_documents_the_options(script):
     assert r.returncode == 0, r.stderr
     for opt in ("--model-size", "--max-length", "--steps", "--device", "--dtype", "--lr", "--log-every", "--arch",
                 "--batch-size", "--data", "--model", "--output-dir", "--save-every", "--resume", "--progress",
-                "--data-split"):
+                "--data-split", "--offload", "--mlp-chunk", "--loss-chunk"):
         assert opt in r.stdout, opt
+
+
+def test_mlp_chunk_default_follows_offload_and_leaves_the_losses(monkeypatch):
+    assert sft_packed.parse_args([]).mlp_chunk == 0
+    assert sft_packed.parse_args(["--offload", "on"]).mlp_chunk == 65536
+    assert dpo_packed.parse_args(["--offload", "auto"]).mlp_chunk == 65536
+    assert sft_packed.parse_args(["--offload", "on", "--mlp-chunk", "0"]).mlp_chunk == 0
+    import flashmask.checkpointing as ckpt
+
+    calls = []
+    real = ckpt.chunk_mlp
+    monkeypatch.setattr(ckpt, "chunk_mlp", lambda model, n: (calls.append(n), real(model, n))[1])
+    # chunks of 50 tokens, 256-token rows; DPO also chunks its frozen reference (forward without grad)
+    for main, extra in ((sft_packed.main, ["--batch-size", "1"]), (dpo_packed.main, ["--batch-size", "2"])):
+        args = COMMON + ["--steps", "2", "--max-length", "256", "--progress", "off"] + extra
+        plain = main(args)
+        calls.clear()
+        chunked = main(args + ["--mlp-chunk", "50"])
+        assert calls == [50] * (1 if main is sft_packed.main else 2)
+        assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
 
 
 def test_bad_arguments_exit_with_a_message(capsys):
@@ -128,6 +148,9 @@ def test_bad_arguments_exit_with_a_message(capsys):
     with pytest.raises(SystemExit):
         sft_packed.main(["--resume", "/nonexistent/run"])
     assert "checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sft_packed.main(["--mlp-chunk", "-1"])
+    assert "--mlp-chunk must be >= 0" in capsys.readouterr().err
 
 
 def test_shipped_data_is_what_the_generator_writes(tmp_path):

@@ -86,11 +86,13 @@ def test_sft_cp2_allgather_kv_equals_one_process(one_process, tmp_path):
 
 def test_sft_cp2_ulysses_resumes_a_one_process_checkpoint(one_process, tmp_path):
     # Steps 3 and 4 under Ulysses CP with activation checkpointing (--offload on; these tiny layer
-    # inputs stay under the offload threshold), from the one-process checkpoint-2: the model is
-    # loaded whole and then sharded, the optimizer state sharded on load.
+    # inputs stay under the offload threshold) and the MLPs of each rank's 128 tokens in chunks of
+    # 40, from the one-process checkpoint-2: the model is loaded whole and then sharded, the
+    # optimizer state sharded on load.
     ref_dir, ref = one_process
-    out = torchrun(SFT, 2, BASE + ["--cp", "2", "--cp-mode", "ulysses", "--offload", "on", "--steps", "4",
-                                   "--resume", str(ref_dir / "checkpoint-2"), "--output-dir", str(tmp_path)])
+    out = torchrun(SFT, 2, BASE + ["--cp", "2", "--cp-mode", "ulysses", "--offload", "on", "--mlp-chunk", "40",
+                                   "--steps", "4", "--resume", str(ref_dir / "checkpoint-2"),
+                                   "--output-dir", str(tmp_path)])
     check_report(out, nproc=2, dp=1, cp=2)
     assert "resumed from" in out
     assert csv_column(tmp_path) == pytest.approx(ref, rel=REL)

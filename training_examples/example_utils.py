@@ -8,9 +8,10 @@ Data: JSON / JSONL / Parquet / CSV files through ``datasets.load_dataset``, or a
 (needs the network).
 Several processes (``torchrun --nproc-per-node N``): parameters sharded with FSDP2 over a
 ``(dp, cp)`` DeviceMesh, each packed row split over the ``cp`` ranks of its group (context
-parallelism, :mod:`flashmask.distributed`); see :class:`Parallel`. One process: per-layer activation
-checkpointing (``--offload``: the checkpoints in host memory) and the chunked LM-head loss
-(``--loss-chunk``: no ``[S, vocab]`` logits) for long rows.
+parallelism, :mod:`flashmask.distributed`); see :class:`Parallel`. For long rows: per-layer activation
+checkpointing (``--offload``: the checkpoints in host memory), the MLPs in chunks of tokens
+(``--mlp-chunk``: no ``[S, intermediate]`` temporaries) and the chunked LM-head loss
+(``--loss-chunk``: no ``[S, vocab]`` logits).
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def make_parser(doc: str, data_file: str, data_help: str, *, default_lr: float,
 
 
 def add_long_context_args(p: argparse.ArgumentParser) -> None:
-    """Options for long rows: several GPUs (context parallelism, FSDP2), offloaded checkpoints, chunked loss."""
+    """Options for long rows: several GPUs (context parallelism, FSDP2), offloaded checkpoints, chunked MLPs
+    and loss."""
     g = p.add_argument_group("long context", "several GPUs: torchrun --nproc-per-node N SCRIPT --cp C (FSDP2 over "
                                              "all N, each row split over C of them, N/C data-parallel groups)")
     g.add_argument("--cp", type=int, default=1,
@@ -140,6 +142,10 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
                    help="activation checkpointing of every layer with the checkpoints (layer inputs) in pinned "
                         "host memory; auto: only when they would take more than a quarter of the GPU; implies "
                         "--gradient-checkpointing (default: %(default)s)")
+    g.add_argument("--mlp-chunk", type=int, default=None, metavar="T",
+                   help="run every layer's MLP T tokens at a time (this process's tokens under --cp), each chunk "
+                        "checkpointed, so that no [S, intermediate] temporaries exist; exact; 0: off (default: "
+                        "65536 with --offload on/auto, else off)")
     g.add_argument("--loss-chunk", type=int, default=8192,
                    help="tokens per chunk of the LM head + loss, so that no [S, vocab] logits exist; 0: one "
                         "chunk (one process: the model's own loss) (default: %(default)s)")
@@ -158,6 +164,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "--nproc-per-node N)")
     if args.loss_chunk < 0 or args.cp_align < 1:
         p.error("--loss-chunk must be >= 0 and --cp-align >= 1")
+    if args.mlp_chunk is None:  # chunk where the offload already made room for rows this long
+        from flashmask.checkpointing import MLP_CHUNK_TOKENS
+        args.mlp_chunk = MLP_CHUNK_TOKENS if args.offload != "off" else 0
+    if args.mlp_chunk < 0:
+        p.error("--mlp-chunk must be >= 0 (0: off)")
     if world > 1 and args.sliding_window is not None:
         p.error("--sliding-window is not supported with several processes (context parallelism)")
     for name in ("max_length", "batch_size", "steps", "log_every"):
@@ -452,11 +463,15 @@ def finish_parallel(par: Parallel) -> None:
 
 def prepare_model(model, args, par: Parallel, *, train: bool = True):
     """Activation checkpointing of every layer (``--gradient-checkpointing`` / ``--offload``, when
-    ``train``); with several processes the context-parallel attention backend (``fm_cp``) and FSDP2.
-    Create the optimizer after this (it must see the sharded parameters)."""
+    ``train``); the MLPs in chunks (``--mlp-chunk``; also for a frozen model, whose forward without
+    grad then holds one chunk's temporaries); with several processes the context-parallel attention
+    backend (``fm_cp``) and FSDP2. Create the optimizer after this (it must see the sharded parameters)."""
     if train and (args.gradient_checkpointing or args.offload != "off"):
         from flashmask.checkpointing import enable_activation_checkpointing
         enable_activation_checkpointing(model, offload={"off": False, "on": True, "auto": "auto"}[args.offload])
+    if args.mlp_chunk:
+        from flashmask.checkpointing import chunk_mlp
+        chunk_mlp(model, args.mlp_chunk)
     if par.distributed:
         import flashmask.distributed.hf as cp_hf
         from flashmask.distributed import fsdp as fm_fsdp

@@ -37,7 +37,8 @@ With several processes (``torchrun --nproc-per-node N``) the parameters are shar
 over all N; ``--cp C`` splits every packed row over C ranks (``--cp-mode``), and the N / C
 data-parallel groups each take ``--batch-size`` rows per step. The LM head and the loss run in
 chunks of ``--loss-chunk`` tokens (no ``[S, vocab]`` logits); ``--offload on`` keeps the activation
-checkpoints in host memory. Rank 0 prints tokens/s per GPU and the peak memory of the fullest GPU.
+checkpoints in host memory and runs the MLPs in chunks of ``--mlp-chunk`` tokens (no ``[S,
+intermediate]`` temporaries). Rank 0 prints tokens/s per GPU and the peak memory of the fullest GPU.
 """
 from __future__ import annotations
 

@@ -37,6 +37,26 @@ def test_load_records_from_files(tmp_path, fmt):
     assert len(example_utils.load_records(path, ["instruction"], max_samples=3)) == 3
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_load_records_without_datasets(tmp_path, monkeypatch, fmt):
+    """JSON files still load where `datasets` is not installed, exactly as with it; other formats say
+    what to install."""
+    path = str(tmp_path / f"data.{fmt}")
+    with open(path, "w") as f:
+        if fmt == "jsonl":
+            f.writelines(json.dumps(r) + "\n" for r in ROWS)
+        else:
+            json.dump(ROWS, f)
+    with_datasets = example_utils.load_records(path, ["instruction", "response"], max_samples=5)
+    datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "data.parquet"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    assert example_utils.load_records(path, ["instruction", "response"], max_samples=5) == with_datasets
+    with pytest.raises(ValueError, match="no field 'answer'"):
+        example_utils.load_records(path, ["answer"])
+    with pytest.raises(ImportError, match="pip install datasets"):
+        example_utils.load_records(str(tmp_path / "data.parquet"), ["response"])
+
+
 def test_load_records_glob_and_missing_field(tmp_path):
     for k in range(2):
         datasets.Dataset.from_list(ROWS[k * 3:(k + 1) * 3]).to_parquet(str(tmp_path / f"part{k}.parquet"))

@@ -66,6 +66,20 @@ def test_backend_cuda_on_cpu_raises():
         flashmask_attention(q, k, v, causal=True, backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
+def test_forced_architecture_on_cpu_raises(backend):
+    """Forcing a kernel family is a CUDA backend: it never falls back to the reference path."""
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=rf"backend='{backend}' cannot run"):
+        flashmask_attention(q, k, v, causal=True, backend=backend)
+
+
+def test_selected_arch_rejects_unknown_slot():
+    from flashmask import _cuda
+    with pytest.raises(ValueError, match="slot must be 'fwd', 'bwd' or 'bwd_deterministic', got 'bwd_dq'"):
+        _cuda.selected_arch(torch.empty(1, 4, 2, 64), 0, "bwd_dq")
+
+
 @pytest.mark.parametrize("dims, dtypes, d, dtype, expect", [
     ((64, 128), (torch.bfloat16,), 128, torch.bfloat16, None),
     ((64, 128), (torch.bfloat16,), 40, torch.bfloat16, None),  # served by the 64 kernel

@@ -26,12 +26,17 @@ Run (2 GPUs)::
     python benchmarks/bench_cp.py attn --device cpu --tiny --nproc 2              # CPU dry run (gloo)
     python benchmarks/bench_cp.py train --device cpu --tiny --nproc 2             # CPU dry run
 
-Results: ``benchmarks/results/cp/{attn,train}.csv`` (+ .json), written after every row.
+Results: ``benchmarks/results/cp/{attn,train}.csv`` (or ``--out``), one row appended after every
+point, so that invocations with other ``--families`` / ``--seqlens`` / ``--cp`` add to one table (a
+header only when the file is new; an existing file with another header is an error). Beside it
+``{attn,train}.json``: ``{"runs": [{"meta": ..., "rows": [...]}, ...]}``, one run per invocation.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -127,6 +132,86 @@ def _reset_peak(device):
 
 
 # --------------------------------------------------------------------------------------------
+# results: appended, never overwritten
+
+
+def _results_paths(out_dir: str, stem: str):
+    return os.path.join(out_dir, stem + ".csv"), os.path.join(out_dir, stem + ".json")
+
+
+def _read_header(csv_path: str):
+    """The header of an existing, non-empty CSV; ``None`` for a missing or empty file."""
+    if not os.path.exists(csv_path) or os.path.getsize(csv_path) == 0:
+        return None
+    with open(csv_path, newline="") as f:
+        return next(csv.reader(f), None)
+
+
+def _read_runs(json_path: str) -> list:
+    """The runs already in ``json_path`` (``[]`` when there is none); a file in the older one-run
+    form ``{"meta", "rows"}`` is one run."""
+    if not os.path.exists(json_path) or os.path.getsize(json_path) == 0:
+        return []
+    try:
+        with open(json_path) as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise SystemExit(f"bench_cp.py: {json_path} is not valid JSON ({e}); move it away or choose another "
+                         "--out") from None
+    if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        return data["runs"]
+    if isinstance(data, dict) and "rows" in data:
+        return [{"meta": data.get("meta"), "rows": data["rows"]}]
+    raise SystemExit(f"bench_cp.py: {json_path} is not a bench_cp results file (expected {{\"runs\": [...]}}); "
+                     "move it away or choose another --out")
+
+
+def check_results(out_dir: str, stem: str, fields) -> None:
+    """Exit with a message, before any work, when ``out_dir/stem.csv`` exists with another header (a
+    different version of this script wrote it: appending would mix two tables) or ``stem.json`` is
+    not ours."""
+    csv_path, json_path = _results_paths(out_dir, stem)
+    header = _read_header(csv_path)
+    if header is not None and header != list(fields):
+        missing = [k for k in fields if k not in header]
+        extra = [k for k in header if k not in fields]
+        diff = f"missing {missing}, extra {extra}" if missing or extra else "the same columns in another order"
+        raise SystemExit(
+            f"bench_cp.py: {csv_path} has another header than this script writes ({diff}); rows are appended "
+            "to an existing file only when its header is the same. Move the file away or choose another --out.")
+    _read_runs(json_path)
+
+
+class Results:
+    """The rows of this invocation, appended to ``out_dir/<stem>.csv`` one at a time (the header only
+    when the file is new or empty, rows of earlier invocations kept) and to ``<stem>.json``
+    (``{"runs": [..., {"meta": meta, "rows": rows}]}``, rewritten whole after every row through a
+    temporary file). Rank 0 only."""
+
+    def __init__(self, out_dir: str, stem: str, fields, meta: dict):
+        check_results(out_dir, stem, fields)
+        self.csv_path, self.json_path = _results_paths(out_dir, stem)
+        self.fields = list(fields)
+        self.runs = _read_runs(self.json_path)
+        self.run = {"meta": meta, "rows": []}
+        self.runs.append(self.run)
+
+    def add(self, row: dict) -> None:
+        os.makedirs(os.path.dirname(self.csv_path) or ".", exist_ok=True)
+        new = _read_header(self.csv_path) is None
+        with open(self.csv_path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerow({k: common._csv_value(row.get(k)) for k in self.fields})
+        self.run["rows"].append(row)
+        tmp = self.json_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"runs": self.runs}, f, indent=1, default=str)
+        os.replace(tmp, self.json_path)
+
+
+# --------------------------------------------------------------------------------------------
 # attention alone
 
 
@@ -143,6 +228,7 @@ def bench_attn(args):
     out_dir = args.out or common.default_out_dir("cp")
     rows, meta = [], {"script": "bench_cp attn", "args": {k: v for k, v in vars(args).items() if k != "func"},
                       "env": common.environment(device), "world": world}
+    results = Results(out_dir, "attn", ATTN_FIELDS, meta) if rank == 0 else None
     if rank == 0:
         print(f"attention alone: {world} ranks, {device}, B=1 Hq={heads} Hk={kv_heads} D={d} {args.dtype}, "
               f"backend={backend}, cp modes {args.cp_modes}", flush=True)
@@ -167,7 +253,7 @@ def bench_attn(args):
     def add(row):
         rows.append(row)
         if rank == 0:
-            common.write_results(out_dir, "attn", rows, ATTN_FIELDS, meta)
+            results.add(row)
             if row["status"] == "ok":
                 print(f"  {row['family']:16s} {common.fmt_len(row['seqlen']):>5s} {row['mode']:6s} cp={row['cp']} "
                       f"{row['cp_mode']:12s} {row['ms']:10.1f} ms {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU"
@@ -316,6 +402,7 @@ def bench_train(args):
     mesh = fm_fsdp.init_mesh(dp, cp, device_type=device.type) if world > 1 else None
     group = fm_fsdp.cp_group(mesh) if mesh is not None else None
     vocab = MODELS[args.model_size][5]
+    results = Results(out_dir, "train", TRAIN_FIELDS, meta) if rank == 0 else None
     if rank == 0:
         print(f"packed SFT: {args.model_size} {args.dtype}, {world} ranks (dp={dp}, cp={cp}, {args.cp_mode}), "
               f"offload={args.offload}, loss chunk {args.loss_chunk}, MLP chunk {args.mlp_chunk or 'off'}, "
@@ -324,7 +411,7 @@ def bench_train(args):
     def add(row):
         rows.append(row)
         if rank == 0:
-            common.write_results(out_dir, "train", rows, TRAIN_FIELDS, meta)
+            results.add(row)
             if row["status"] == "ok":
                 print(f"  S={common.fmt_len(row['seqlen']):>5s} cp={cp}: {row['tokens_per_s_per_gpu']:9.0f} tok/s/GPU "
                       f"({row['tokens_per_s']:.0f} tok/s), {row['ms_per_step']:.0f} ms/step, peak "
@@ -493,6 +580,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    # every process, before any work: an existing results file this run cannot append to stops it
+    check_results(args.out or common.default_out_dir("cp"), args.cmd,
+                  ATTN_FIELDS if args.cmd == "attn" else TRAIN_FIELDS)
     launch(args)
     return 0
 

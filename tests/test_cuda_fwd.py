@@ -1,5 +1,8 @@
 """Forward kernel against the reference path (GPU only; skipped without CUDA or without the build)."""
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -177,10 +180,32 @@ def test_arch_selection():
             flashmask.flashmask_attention(q, q, q, causal=True, backend="sm90")
 
 
-def test_arch_environment_variable(monkeypatch):
-    q = torch.randn(1, 64, 2, HEAD_DIMS[0], device="cuda", dtype=DTYPES[0])
-    monkeypatch.setenv("FLASHMASK_ARCH", "80")
-    assert _cuda.selected_arch(q) == 80
-    monkeypatch.setenv("FLASHMASK_ARCH", "75")
-    with pytest.raises(RuntimeError, match="unknown kernel architecture 75"):
-        flashmask.flashmask_attention(q, q, q, causal=True, backend="cuda")
+_ENV_ARCH_SCRIPT = """
+import torch, flashmask
+from flashmask import _cuda
+q = torch.randn(1, 64, 2, {d}, device="cuda", dtype=torch.{dtype})
+for step in (lambda: _cuda.selected_arch(q), lambda: flashmask.flashmask_attention(q, q, q, causal=True, backend="cuda").dtype):
+    try:
+        print("ok", step())
+    except RuntimeError as e:
+        print("error", " ".join(str(e).split()))  # one line
+"""
+
+
+def test_arch_environment_variable():
+    """FLASHMASK_ARCH is read once per process (at its first kernel selection), so each value gets
+    a fresh interpreter."""
+    script = _ENV_ARCH_SCRIPT.format(d=HEAD_DIMS[0], dtype=str(DTYPES[0]).replace("torch.", ""))
+
+    def run(value):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, FLASHMASK_ARCH=value, PYTHONPATH=root)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                           cwd=root)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout
+
+    selected, attention = run("80").splitlines()[-2:]
+    assert selected == "ok 80" and attention.startswith("ok"), (selected, attention)
+    selected, attention = run("75").splitlines()[-2:]
+    assert "unknown kernel architecture 75" in selected and "unknown kernel architecture 75" in attention

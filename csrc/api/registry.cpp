@@ -60,16 +60,33 @@ std::string join(const std::vector<int64_t>& xs) {
     return s;
 }
 
-}  // namespace
-
-std::vector<int64_t> compiled_head_dims() {
-    std::vector<int64_t> dims;
-    for (const KernelSet& k : kKernelSets) {
-        if (k.fwd != nullptr && std::find(dims.begin(), dims.end(), k.head_dim) == dims.end()) dims.push_back(k.head_dim);
-    }
-    std::sort(dims.begin(), dims.end());
+// The head dims some family compiled a forward for (sorted, unique): the table is fixed at build
+// time, so it is gathered once (thread-safe static initialisation) rather than on every call.
+const std::vector<int64_t>& head_dims() {
+    static const std::vector<int64_t> dims = [] {
+        std::vector<int64_t> v;
+        for (const KernelSet& k : kKernelSets) {
+            if (k.fwd != nullptr && std::find(v.begin(), v.end(), k.head_dim) == v.end()) v.push_back(k.head_dim);
+        }
+        std::sort(v.begin(), v.end());
+        return v;
+    }();
     return dims;
 }
+
+// FLASHMASK_ARCH as std::atoi reads it (0 when unset or not a number), read once: at the first
+// selection of the process, so it must be set before the first attention call.
+int env_arch() {
+    static const int arch = [] {
+        const char* env = std::getenv("FLASHMASK_ARCH");
+        return env != nullptr ? std::atoi(env) : 0;
+    }();
+    return arch;
+}
+
+}  // namespace
+
+std::vector<int64_t> compiled_head_dims() { return head_dims(); }
 
 std::vector<std::string> compiled_dtypes() {
     std::vector<std::string> names;
@@ -93,14 +110,12 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype) 
 }
 
 Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot) {
-    if (arch == 0) {
-        if (const char* env = std::getenv("FLASHMASK_ARCH")) arch = std::atoi(env);
-    }
+    if (arch == 0) arch = env_arch();
     TORCH_CHECK(arch == 0 || arch == 80 || arch == 90, "flashmask: unknown kernel architecture ", std::to_string(arch),
                 " (FLASHMASK_ARCH / backend): choose 80 or 90");
     TORCH_CHECK(arch == 0 || runs_on(arch, cc), "flashmask: the sm", std::to_string(arch),
                 " kernels cannot run on a device of compute capability ", std::to_string(cc));
-    const std::vector<int64_t> dims = compiled_head_dims();
+    const std::vector<int64_t>& dims = head_dims();
     const auto it = std::find_if(dims.begin(), dims.end(), [d](int64_t k) { return d <= k; });
     TORCH_CHECK(it != dims.end(), "flashmask: head dim ", std::to_string(d),
                 " is larger than every head dim this build compiled (", join(dims),

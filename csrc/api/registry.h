@@ -45,8 +45,9 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
 
 // The kernels for head dim d (rounded up to the smallest compiled one that holds it) and dtype on
 // a device of compute capability `cc` (major * 10 + minor). `arch` 0 takes the newest family the
-// device runs, unless the environment variable FLASHMASK_ARCH names one; 80 or 90 asks for that
-// family and raises if it is not compiled or the device cannot run it.
+// device runs, unless the environment variable FLASHMASK_ARCH names one (read once, at the first
+// call of the process); 80 or 90 asks for that family and raises if it is not compiled or the
+// device cannot run it.
 // `slot` says which kernels the call needs: the forward, the backward with atomic dQ, or the
 // deterministic backward. A forced family that lacks them (the SM90 one has no deterministic
 // backward yet) leaves the call to the newest family that has them.

@@ -44,35 +44,30 @@ struct FwdOutput {
     template <typename O, typename Coords>
     __forceinline__ __device__ void write_partial(O const& o_rc, Coords const& coords, const float* row_lse, int r0,
                                                   int r1, int tidx) const {
-        CUTE_UNROLL
-        for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
-            const int row = r0 + cute::get<0>(coords(mi, 0));
-            if (row >= r1) continue;
-            CUTE_UNROLL
-            for (int di = 0; di < cute::size<1>(o_rc); ++di) {
-                const int col = cute::get<1>(coords(mi, di));
-                if (col < d) o_part[int64_t(row) * d + col] = o_rc(mi, di);
-            }
-            if (tidx % 4 == 0) lse[row] = row_lse[mi] == INFINITY ? -INFINITY : row_lse[mi];
-        }
+        for_each_cell(o_rc, coords, r0, r1, [&](int row, int col, auto x) { o_part[int64_t(row) * d + col] = x; });
+        store_lse</*kSplit=*/true>(coords, row_lse, r0, r1, tidx);
     }
 
     // The LSE of the rows this thread holds, from the first lane of each quad.
     template <typename Coords>
     __forceinline__ __device__ void write_lse(Coords const& coords, const float* row_lse, int r0, int r1,
                                               int tidx) const {
-        if (tidx % 4 != 0) return;
-        CUTE_UNROLL
-        for (int mi = 0; mi < cute::size<0>(coords); ++mi) {
-            const int row = r0 + cute::get<0>(coords(mi, 0));
-            if (row < r1) lse[row] = row_lse[mi];
-        }
+        store_lse</*kSplit=*/false>(coords, row_lse, r0, r1, tidx);
     }
 
     // The output straight from registers (pairs of neighbouring columns), and the LSE.
     template <typename O, typename Coords>
     __forceinline__ __device__ void write_rows(O const& o_rc, Coords const& coords, const float* row_lse, int r0, int r1,
                                                int tidx) const {
+        for_each_cell(o_rc, coords, r0, r1, [&](int row, int col, auto x) { o[row * row_stride + col] = Element(x); });
+        write_lse(coords, row_lse, r0, r1, tidx);
+    }
+
+   private:
+    // store(row, col, value) for each accumulator element of rows [r0, r1) and columns [0, d).
+    template <typename O, typename Coords, typename Store>
+    __forceinline__ __device__ void for_each_cell(O const& o_rc, Coords const& coords, int r0, int r1,
+                                                  Store&& store) const {
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
             const int row = r0 + cute::get<0>(coords(mi, 0));
@@ -80,10 +75,23 @@ struct FwdOutput {
             CUTE_UNROLL
             for (int di = 0; di < cute::size<1>(o_rc); ++di) {
                 const int col = cute::get<1>(coords(mi, di));
-                if (col < d) o[row * row_stride + col] = Element(o_rc(mi, di));
+                if (col < d) store(row, col, o_rc(mi, di));
             }
         }
-        write_lse(coords, row_lse, r0, r1, tidx);
+    }
+
+    // The LSE of rows [r0, r1) from the first lane of each quad; a split's +inf (a row no key of the
+    // split reaches) is written -inf, so that it adds nothing to the merge.
+    template <bool kSplit, typename Coords>
+    __forceinline__ __device__ void store_lse(Coords const& coords, const float* row_lse, int r0, int r1,
+                                              int tidx) const {
+        if (tidx % 4 != 0) return;
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(coords); ++mi) {
+            const int row = r0 + cute::get<0>(coords(mi, 0));
+            if (row >= r1) continue;
+            lse[row] = kSplit && row_lse[mi] == INFINITY ? -INFINITY : row_lse[mi];
+        }
     }
 };
 

@@ -61,10 +61,11 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 
 // Fills the fields shared by forward and backward; takes the mask bounds for key blocks of block_n
 // columns and, when block_m > 0 (the forward), the order of its query tiles from the mask cache
-// (mask_cache.h; `meta` keeps them alive through the call).
+// (mask_cache.h; `meta` keeps them alive through the call), and with `persistent` the job list of a
+// persistent forward.
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_m,
-                 int block_n, MaskMeta& meta, cudaStream_t stream) {
+                 int block_n, bool persistent, MaskMeta& meta, cudaStream_t stream) {
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
     const int sk = k.size(1), hk = k.size(2);
     p.q = q.data_ptr();
@@ -88,10 +89,11 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
     TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
                 causal ? "True" : "False");
-    meta = mask_metadata(mask, causal, sq, block_m, block_n, stream);
+    meta = mask_metadata(mask, causal, sq, block_m, block_n, persistent ? hq : 0, stream);
     p.mask = meta.mask.data_ptr<int>();
     p.bounds = meta.bounds.data_ptr<int>();
     p.tile_order = block_m > 0 ? meta.order.data_ptr<int>() : nullptr;
+    p.job_list = persistent ? meta.jobs.data_ptr<int>() : nullptr;
     p.mask_c = c;
     p.hm = hm;
     p.q_per_mask_head = hq / hm;
@@ -127,8 +129,15 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     AttnParams p{};
     MaskMeta meta;
+    // The SM90 forward is persistent: its CTAs draw jobs from a counter.
+    const bool persistent = sel.kernels->arch == 90;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_m, sel.tiles.fwd_block_n,
-                meta, stream);
+                persistent, meta, stream);
+    at::Tensor job_counter;
+    if (persistent) {
+        job_counter = at::zeros({1}, q.options().dtype(at::kInt));
+        p.job_counter = job_counter.data_ptr<int>();
+    }
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
@@ -189,7 +198,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, /*block_m=*/0, sel.tiles.bwd_block_n, meta,
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, /*block_m=*/0, sel.tiles.bwd_block_n,
+                /*persistent=*/false, meta,
                 stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);

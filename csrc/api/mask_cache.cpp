@@ -61,6 +61,7 @@ struct Entry {
     at::Tensor copy;  // the contiguous copy of a strided mask; undefined when the mask was contiguous
     std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
     std::vector<std::pair<std::pair<int, int>, at::Tensor>> orders;  // by (block_m, block_n)
+    std::vector<std::pair<std::tuple<int, int, int>, at::Tensor>> jobs;  // by (block_m, block_n, hq)
 };
 
 struct Cache {
@@ -108,20 +109,38 @@ at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block
     return bounds;
 }
 
-// Longest tiles first: a few tiles may see far more keys than the rest (global tokens, a prefix),
-// and started last they would finish alone.
-at::Tensor compute_order(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m, int block_n,
-                         cudaStream_t stream) {
+at::Tensor compute_work(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m, int block_n,
+                        cudaStream_t stream) {
     const int batch_heads = bounds.size(0) * bounds.size(1);
     const int m_tiles = (sq + block_m - 1) / block_m;
     at::Tensor work = at::empty({batch_heads, m_tiles}, bounds.options());
     launch_tile_work(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads, bounds.size(2), m_tiles, block_m,
                      block_n, sq, sk, causal, stream);
+    return work;
+}
+
+// Longest tiles first: a few tiles may see far more keys than the rest (global tokens, a prefix),
+// and started last they would finish alone.
+at::Tensor compute_order(const at::Tensor& work) {
     return work.argsort(/*stable=*/true, /*dim=*/1, /*descending=*/true).to(at::kInt);
 }
 
+// MaskMeta::jobs. Buckets rather than a strict order: full attention has one bucket, taken head
+// by head, where interleaving all heads would stream every head's K and V through L2 at once
+// (16 heads at 32K: 256 MiB); the heavy tiles of every head (global tokens) still start first.
+at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
+    const int hm = work.size(0) / batch, m_tiles = work.size(1);
+    const at::Tensor per_head =
+        work.view({batch, hm, 1, m_tiles}).expand({batch, hm, hq / hm, m_tiles}).reshape({batch * hq, m_tiles});
+    const auto [sorted, tile] = per_head.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
+    const at::Tensor jobs = tile + at::arange(int64_t(batch) * hq, tile.options()).unsqueeze(1) * m_tiles;
+    const at::Tensor bucket =
+        at::where(sorted > 0, at::floor(at::log2(sorted.to(at::kFloat)) * 2), -1.f).reshape({-1});
+    return jobs.reshape({-1}).index_select(0, bucket.argsort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).to(at::kInt);
+}
+
 // Fills what `m` lacks; returns whether anything was computed.
-bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n,
+bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
               cudaStream_t stream) {
     bool computed = false;
     if (!m.mask.defined()) m.mask = user_mask.contiguous();
@@ -129,8 +148,11 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
         m.bounds = compute_bounds(m.mask, causal, sq, block_n, stream);
         computed = true;
     }
-    if (block_m > 0 && !m.order.defined()) {
-        m.order = compute_order(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, stream);
+    const bool want_jobs = block_m > 0 && jobs_hq > 0 && !m.jobs.defined();
+    if (block_m > 0 && (!m.order.defined() || want_jobs)) {
+        const at::Tensor work = compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, stream);
+        if (!m.order.defined()) m.order = compute_order(work);
+        if (want_jobs) m.jobs = compute_jobs(work, m.mask.size(0), jobs_hq);
         computed = true;
     }
     return computed;
@@ -138,13 +160,14 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
 
 }  // namespace
 
-MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n,
+MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
                        cudaStream_t stream) {
+    const auto jobs_key = std::make_tuple(block_m, block_n, jobs_hq);
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.
     if (cache_disabled_by_env() || !impl->version_counter().enabled() || capturing(stream)) {
-        complete(m, user_mask, causal, sq, block_m, block_n, stream);
+        complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, stream);
         return m;
     }
     Key key{impl,
@@ -171,13 +194,14 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
                 m.mask = it->copy.defined() ? it->copy : user_mask;
                 m.bounds = find(it->bounds, block_n);
                 if (block_m > 0) m.order = find(it->orders, std::make_pair(block_m, block_n));
+                if (block_m > 0 && jobs_hq > 0) m.jobs = find(it->jobs, jobs_key);
             }
             it = next;
         }
     }
     // Computed outside the lock: ATen may call back into Python (dispatch modes, memory-history
     // hooks), which needs the GIL that a caller waiting on this lock could hold.
-    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, stream);
+    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, stream);
     std::lock_guard<std::mutex> lock(c.mu);
     if (!computed) {
         ++c.hits;
@@ -192,7 +216,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
             if (old->key.impl == impl && old->key.version != key.version) dropped.splice(dropped.end(), c.lru, old);
             old = next;
         }
-        c.lru.push_front(Entry{key, WeakImpl(user_mask.getIntrusivePtr()), {}, {}, {}});
+        c.lru.push_front(Entry{key, WeakImpl(user_mask.getIntrusivePtr()), {}, {}, {}, {}});
         it = c.lru.begin();
         if (m.mask.unsafeGetTensorImpl() != impl) it->copy = m.mask;
         while (c.lru.size() > kCapacity) dropped.splice(dropped.end(), c.lru, std::prev(c.lru.end()));
@@ -201,6 +225,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     if (block_m > 0 && !find(it->orders, std::make_pair(block_m, block_n)).defined()) {
         it->orders.emplace_back(std::make_pair(block_m, block_n), m.order);
     }
+    if (block_m > 0 && jobs_hq > 0 && !find(it->jobs, jobs_key).defined()) it->jobs.emplace_back(jobs_key, m.jobs);
     return m;
 }
 

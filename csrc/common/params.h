@@ -43,6 +43,11 @@ struct AttnParams {
     // all heads first; a smaller group keeps what its heads stream (K and V in the forward, Q and
     // dO in the backward) within L2. head_group divides Hq (choose_head_group in the binding).
     int head_group;
+
+    // Persistent kernels (the SM90 forward): the jobs in the order of job_list (MaskMeta::jobs), or
+    // of the launch order above where it is nullptr; job_counter (zero at launch) hands them out.
+    const int* job_list;
+    int* job_counter;
 };
 
 // The backward adds dO, the row sums D = rowsum(dO * O) - dLSE, and the gradients.

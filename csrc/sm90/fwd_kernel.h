@@ -1,9 +1,10 @@
 // Hopper forward with FlashMask tile skipping: TMA loads, wgmma, warp specialisation.
 //
-// One CTA per (query tile, head, batch), tiles started by decreasing work as on SM80. A producer
-// warpgroup gives up its registers (setmaxnreg) and one of its warps walks the visible key blocks
-// of the tile, loading Q once and each visible block's K and V by TMA into a pipeline of
-// mbarrier-guarded stages: a block the column intervals mask entirely is never loaded. Two consumer
+// Persistent: one CTA per SM takes (query tile, head, batch) jobs from tile_scheduler.h, heaviest
+// first. A producer warpgroup gives up its registers (setmaxnreg) and one of its warps walks the
+// visible key blocks of each job, loading its Q and each visible block's K and V by TMA into a
+// pipeline of mbarrier-guarded stages: a block the column intervals mask entirely is never loaded.
+// The producer runs ahead into the next job while the consumers finish and write this one. Two consumer
 // warpgroups of 64 rows each walk the same blocks (KeyBlockWalk, shared with the SM80 kernels) and
 // issue S = Q K^T and O += P V as wgmma, each block's S together with the previous block's P V and
 // the two warpgroups taking turns (pingpong); only partial blocks get the element-wise compare,
@@ -21,6 +22,7 @@
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
 #include "sm90/fwd_traits.h"
+#include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
 
 namespace flashmask::sm90 {
@@ -36,20 +38,13 @@ struct FwdArgs {
     TmaV tma_v;
 };
 
-// Which tile a CTA takes and which rows, heads and mask slice that means; identical in every warp.
+// What a job means: its rows, heads and mask slice; identical in every warp.
 template <typename Traits, bool Is_causal, bool Has_mask>
 struct TileJob {
     int m_block, h, b, r0, r1, kv_h;
     MaskHead mask;
 
-    __device__ TileJob(const AttnParams& p) {
-        const int m_tiles = gridDim.x / p.hq;
-        const JobHead job = job_and_head(blockIdx.x, m_tiles, p.head_group);
-        h = job.head;
-        b = blockIdx.z;
-        m_block = Has_mask && p.tile_order != nullptr
-                      ? p.tile_order[(int64_t(b) * p.hm + h / p.q_per_mask_head) * m_tiles + job.job]
-                      : (Is_causal ? m_tiles - 1 - job.job : job.job);
+    __device__ TileJob(const AttnParams& p, const FwdJob& job) : m_block(job.m_block), h(job.h), b(job.b) {
         r0 = m_block * Traits::kBlockM;
         r1 = min(r0 + Traits::kBlockM, p.sq);
         kv_h = h / p.q_per_kv_head;
@@ -60,9 +55,11 @@ struct TileJob {
     }
 };
 
-// Named barriers 1 and 2 guard the consumer warpgroups' mask buffers, 3 and 4 their pingpong turns.
+// Named barriers 1 and 2 guard the consumer warpgroups' mask buffers, 3 and 4 their pingpong turns,
+// 0, 5 and 6 hand jobs over (tile_scheduler.h) and 7 tells the producer that Q's buffer is free.
 constexpr int kMaskBarrier = 1;
 constexpr int kPingpongBarrier = 3;
+constexpr int kQFreeBarrier = 7;
 
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
@@ -72,7 +69,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
+    using Job = TileJob<Traits, Is_causal, Has_mask>;
     constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kQFreeThreads = 32 + Traits::kConsumerThreads;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -80,13 +79,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     const int warp_group = threadIdx.x / 128;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    const FwdScheduler<Traits::kConsumerWarpgroups> scheduler(p, Traits::kBlockM);
 
-    const TileJob<Traits, Is_causal, Has_mask> tile(p);
-    const auto walk = tile.walk(p);
-    const int n_last = walk.end() - 1;
-
-    // Barriers: Q's (one arrival with its byte count), and the K and V pipelines (warp 0 of the
-    // producer is their only producer; every consumer thread releases a stage).
+    // Barriers: Q's (one arrival with its byte count, one phase per job that loads it), and the K
+    // and V pipelines (warp 0 of the producer is their only producer; every consumer thread
+    // releases a stage). Pipeline states run on across jobs.
     if (threadIdx.x == 0) shared.barrier_q.init(1);
     typename Pipeline::Params pipe_params;
     pipe_params.transaction_bytes = Traits::kTmaBytesKV;
@@ -98,44 +95,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
         if (warp != 0) return;
-        BlockBounds bnd = walk.bounds_of(n_last);
-        int n_block = walk.visible_at_or_below(n_last, bnd);
-        if (n_block < 0) return;
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
         Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
-        Tensor gQ = local_tile(mQ(_, _, tile.h, tile.b), typename Traits::TileQ{}, make_coord(tile.m_block, _0{}));
-        Tensor gK = local_tile(mK(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
-        Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
-        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
-        auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-        auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-
         auto state = cutlass::make_producer_start_state<Pipeline>();
-        if (lane == 0) {
-            shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-            copy(args.tma_q.with(reinterpret_cast<typename cutlass::arch::ClusterTransactionBarrier::ValueType&>(
-                                     shared.barrier_q),
-                                 0),
-                 tQg, tQs);
-        }
-        while (n_block >= 0) {
+        bool q_loaded = false;
+        for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.publish_next(p, x, shared.next_job)) {
+            const Job tile(p, scheduler.template job<Is_causal>(p, x));
+            const auto walk = tile.walk(p);
+            const int n_last = walk.end() - 1;
+            BlockBounds bnd = walk.bounds_of(n_last);
+            int n_block = walk.visible_at_or_below(n_last, bnd);
+            if (n_block < 0) continue;  // the consumers write zeros: nothing to load
+            Tensor gQ = local_tile(mQ(_, _, tile.h, tile.b), typename Traits::TileQ{}, make_coord(tile.m_block, _0{}));
+            Tensor gK = local_tile(mK(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
+            Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
+            auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+            auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+            auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+            // The previous job's Q stays until both consumer warpgroups have issued their last S.
+            if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, kQFreeBarrier);
+            q_loaded = true;
             if (lane == 0) {
-                pipeline_k.producer_acquire(state);
-                copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block), tKs(_, state.index()));
-                pipeline_v.producer_acquire(state);
-                copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block), tVs(_, state.index()));
+                shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
+                copy(args.tma_q.with(reinterpret_cast<typename cutlass::arch::ClusterTransactionBarrier::ValueType&>(
+                                         shared.barrier_q),
+                                     0),
+                     tQg, tQs);
             }
-            ++state;
-            bnd = walk.bounds_of(n_block - 1);
-            n_block = walk.visible_at_or_below(n_block - 1, bnd);
+            while (n_block >= 0) {
+                if (lane == 0) {
+                    pipeline_k.producer_acquire(state);
+                    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block), tKs(_, state.index()));
+                    pipeline_v.producer_acquire(state);
+                    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block), tVs(_, state.index()));
+                }
+                ++state;
+                bnd = walk.bounds_of(n_block - 1);
+                n_block = walk.visible_at_or_below(n_block - 1, bnd);
+            }
         }
+        // Take the consumers' last "Q free" so that no arrival is left pending.
+        if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, kQFreeBarrier);
         return;
     }
 
@@ -143,16 +151,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     cutlass::arch::warpgroup_reg_alloc<240>();
     const int ctid = threadIdx.x - 128;  // thread index among the consumers
     const int cwg = warp_group - 1;
-    const FwdOutput<Element> output(p, tile.b, tile.h, 0);
-    BlockBounds bnd = walk.bounds_of(n_last);
-    int n_block = walk.visible_at_or_below(n_last, bnd);
-    if (n_block < 0) {
-        output.write_empty(tile.r0, tile.r1, ctid, Traits::kConsumerThreads);
-        return;
-    }
-
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
@@ -161,105 +159,149 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);
-    Tensor acc_o = partition_fragment_C(mma_pv, typename Traits::TileQ{});
-    clear(acc_o);
     Tensor cS = rowcol(thr_qk.partition_C(make_identity_tensor(typename Traits::TileS{})));
+    Tensor cO = rowcol(thr_pv.partition_C(make_identity_tensor(typename Traits::TileQ{})));
     constexpr int kRows = decltype(size<0>(cS))::value;
-    OnlineSoftmax<kRows> softmax;
-    int* smem_mask = shared.mask_cols[cwg];
-
-    // A partial block's mask columns go to the warpgroup's buffer once its last readers are done.
-    auto stage_mask = [&](int n, const TileCompare& cmp) {
-        if (Has_mask && cmp.intervals) {
-            cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);
-            stage_mask_columns<kBlockN, kMaskC, 128>(smem_mask, tile.mask.cols, n * kBlockN, p.sk, ctid % 128);
-            cp_async_fence();
-            cp_async_wait<0>();
-            cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);
-        }
-    };
-
-    // The first block alone, then each next block's S = Q K^T runs on the tensor cores while this
-    // warpgroup waits for nothing: it is issued together with the previous block's O += P V, and
-    // the softmax of the new S runs while that P V is still in flight (O is rescaled after it).
-    Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
-    float correction[kRows];
-    // exp(S - max) of block n, masked where it needs to be, and the rescale factors of O; then P.
-    auto softmax_of = [&](int n, const TileCompare& cmp) {
-        Tensor s_rc = rowcol(acc_s);
-        if (cmp.any) {
-            mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, n * kBlockN, p.sk, walk.causal_offset, smem_mask);
-        }
-        softmax.update_scores(s_rc, p.scale_log2, correction);
-    };
-    auto store_p = [&]() {
-        Tensor converted = convert_to<Element>(acc_s);
-        CUTE_UNROLL
-        for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
-    };
+    int* const smem_mask = shared.mask_cols[cwg][0];
+    constexpr int kMaskBuffer = 4 * kBlockN;  // ints between the warpgroup's two mask buffers
 
     // Pingpong: the two consumer warpgroups take turns issuing their GEMMs, so that one's softmax
     // runs while the other's GEMMs keep the tensor cores busy. A warpgroup waits on its own named
-    // barrier, which the other one's arrival completes once that one has issued; warpgroup 0 goes first.
+    // barrier, which the other one's arrival completes once that one has issued; warpgroup 0 goes
+    // first in every job.
     const int my_turn = kPingpongBarrier + cwg, other_turn = kPingpongBarrier + (cwg ^ 1);
     auto wait_turn = [&]() { cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, my_turn); };
     auto pass_turn = [&]() { cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads, other_turn); };
-    if (cwg == 1) pass_turn();
 
-    shared.barrier_q.wait(0);
     cutlass::PipelineState<Traits::kStages> state_k, state_v;
-    {
-        const TileCompare cmp = walk.compare(n_block, bnd);
-        stage_mask(n_block, cmp);
-        pipeline_k.consumer_wait(state_k);
-        wait_turn();
-        wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
-        pass_turn();
-        warpgroup_wait<0>();
-        pipeline_k.consumer_release(state_k);
-        ++state_k;
-        softmax_of(n_block, cmp);  // O is still zero: nothing to rescale
-        store_p();
-    }
-    bnd = walk.bounds_of(n_block - 1);
-    n_block = walk.visible_at_or_below(n_block - 1, bnd);
-    while (n_block >= 0) {
-        const TileCompare cmp = walk.compare(n_block, bnd);
-        stage_mask(n_block, cmp);
-        pipeline_k.consumer_wait(state_k);
+    int q_phase = 0;
+    for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job, cwg)) {
+        const Job tile(p, scheduler.template job<Is_causal>(p, x));
+        const auto walk = tile.walk(p);
+        const int n_last = walk.end() - 1;
+        const FwdOutput<Element> output(p, tile.b, tile.h, 0);
+        BlockBounds bnd = walk.bounds_of(n_last);
+        int n_block = walk.visible_at_or_below(n_last, bnd);
+        if (n_block < 0) {
+            output.write_empty(tile.r0, tile.r1, ctid, Traits::kConsumerThreads);
+            continue;
+        }
+
+        Tensor acc_o = partition_fragment_C(mma_pv, typename Traits::TileQ{});
+        clear(acc_o);
+        OnlineSoftmax<kRows> softmax;
+
+        // A partial block's mask columns, in one of the warpgroup's two buffers. The first block's
+        // are staged and waited for here; each later block's are requested while the previous
+        // block's GEMMs run and waited for before its own GEMMs are issued. The pingpong barrier
+        // that precedes every issue orders both: all of the warpgroup's threads have finished
+        // reading a buffer (one block ago) before it is refilled, and their copies have landed
+        // before anyone reads them.
+        auto request_mask = [&](int n, const TileCompare& cmp, int buf) {
+            if (Has_mask && cmp.intervals) {
+                stage_mask_columns<kBlockN, kMaskC, 128>(smem_mask + buf * kMaskBuffer, tile.mask.cols, n * kBlockN, p.sk, ctid % 128);
+                cp_async_fence();
+            }
+        };
+        auto stage_mask_now = [&](int n, const TileCompare& cmp, int buf) {
+            if (Has_mask && cmp.intervals) {
+                cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);  // the last job's readers
+                request_mask(n, cmp, buf);
+                cp_async_wait<0>();
+                cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);
+            }
+        };
+
+        // The first block alone, then each next block's S = Q K^T runs on the tensor cores while
+        // this warpgroup waits for nothing: it is issued together with the previous block's
+        // O += P V, and the softmax of the new S runs while that P V is still in flight (O is
+        // rescaled after it).
+        Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
+        Tensor rP = make_tensor<Element>(acc_s.layout());
+        Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
+        float correction[kRows];
+        // exp(S - max) of block n, masked where it needs to be, and the rescale factors of O; then P.
+        auto softmax_of = [&](int n, const TileCompare& cmp, int buf) {
+            Tensor s_rc = rowcol(acc_s);
+            if (cmp.any) {
+                mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, n * kBlockN, p.sk, walk.causal_offset,
+                                               smem_mask + buf * kMaskBuffer);
+            }
+            softmax.update_scores(s_rc, p.scale_log2, correction);
+        };
+        auto store_p = [&]() {
+            Tensor converted = convert_to<Element>(acc_s);
+            CUTE_UNROLL
+            for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+        };
+
+        if (cwg == 1) pass_turn();
+        shared.barrier_q.wait(q_phase);
+        q_phase ^= 1;
+        int buf = 0;
+        {
+            const TileCompare cmp = walk.compare(n_block, bnd);
+            stage_mask_now(n_block, cmp, buf);
+            pipeline_k.consumer_wait(state_k);
+            wait_turn();
+            wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+            pass_turn();
+            warpgroup_wait<0>();
+            pipeline_k.consumer_release(state_k);
+            ++state_k;
+            softmax_of(n_block, cmp, buf);  // O is still zero: nothing to rescale
+            store_p();
+        }
+        bnd = walk.bounds_of(n_block - 1);
+        n_block = walk.visible_at_or_below(n_block - 1, bnd);
+        TileCompare cmp{};
+        if (n_block >= 0) {
+            cmp = walk.compare(n_block, bnd);
+            request_mask(n_block, cmp, buf ^ 1);
+        }
+        while (n_block >= 0) {
+            buf ^= 1;
+            if (Has_mask && cmp.intervals) cp_async_wait<0>();
+            pipeline_k.consumer_wait(state_k);
+            pipeline_v.consumer_wait(state_v);
+            wait_turn();
+            wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+            wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+            pass_turn();
+            const int n = n_block;
+            const TileCompare this_cmp = cmp;
+            bnd = walk.bounds_of(n - 1);
+            n_block = walk.visible_at_or_below(n - 1, bnd);
+            if (n_block >= 0) {
+                cmp = walk.compare(n_block, bnd);
+                request_mask(n_block, cmp, buf ^ 1);
+            }
+            warpgroup_wait<1>();  // S is in; P V may still run
+            pipeline_k.consumer_release(state_k);
+            ++state_k;
+            softmax_of(n, this_cmp, buf);
+            warpgroup_wait<0>();
+            pipeline_v.consumer_release(state_v);
+            ++state_v;
+            Tensor o_rc = rowcol(acc_o);
+            softmax.rescale(o_rc, correction);
+            store_p();
+        }
+        // Every S of this job is in: the producer may load the next job's Q.
+        cutlass::arch::NamedBarrier::arrive(kQFreeThreads, kQFreeBarrier);
         pipeline_v.consumer_wait(state_v);
         wait_turn();
-        wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
         wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
-        pass_turn();
-        const int n = n_block;
-        bnd = walk.bounds_of(n - 1);
-        n_block = walk.visible_at_or_below(n - 1, bnd);
-        warpgroup_wait<1>();  // S is in; P V may still run
-        pipeline_k.consumer_release(state_k);
-        ++state_k;
-        softmax_of(n, cmp);
+        if (cwg == 0) pass_turn();  // warpgroup 1's last turn is its last: leave no arrival pending
         warpgroup_wait<0>();
         pipeline_v.consumer_release(state_v);
         ++state_v;
-        Tensor o_rc = rowcol(acc_o);
-        softmax.rescale(o_rc, correction);
-        store_p();
-    }
-    pipeline_v.consumer_wait(state_v);
-    wait_turn();
-    wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
-    if (cwg == 0) pass_turn();  // warpgroup 1's last turn is its last: leave no arrival pending
-    warpgroup_wait<0>();
-    pipeline_v.consumer_release(state_v);
 
-    float lse[kRows];
-    Tensor o_rc = rowcol(acc_o);
-    softmax.finalize(o_rc, p.softmax_scale, lse);
-    Tensor cO = rowcol(thr_pv.partition_C(make_identity_tensor(typename Traits::TileQ{})));
-    output.write_rows(o_rc, cO, lse, tile.r0, tile.r1, ctid);
+        float lse[kRows];
+        Tensor o_rc = rowcol(acc_o);
+        softmax.finalize(o_rc, p.softmax_scale, lse);
+        output.write_rows(o_rc, cO, lse, tile.r0, tile.r1, ctid);
+    }
 #endif
 }
 

@@ -1,8 +1,11 @@
 // Launch layer of the SM90 forward: TMA descriptors of Q, K and V over their real strides (no
-// copies), the grid, the shared memory and the compile-time mask modes.
+// copies), the persistent grid, the shared memory and the compile-time mask modes.
 #pragma once
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <cute/tensor.hpp>
 
@@ -25,7 +28,12 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, sKV, typename Traits::TileKV{}, _1{});
     using Args = FwdArgs<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
     const Args args{p, tma_q, tma_k, tma_v};
-    const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM * p.hq, 1, p.b);
+    // One CTA per SM (the shared memory allows no more), none idle.
+    const int64_t jobs = int64_t((p.sq + Traits::kBlockM - 1) / Traits::kBlockM) * p.hq * p.b;
+    TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 forward needs a job counter");
+    TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (query tile, head, batch) jobs for one launch");
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const dim3 grid(unsigned(std::min<int64_t>(jobs, sms)));
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         launch_with_smem(&fwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args>, grid,
                          Traits::kNThreads, Traits::kSmemBytes, args, stream);

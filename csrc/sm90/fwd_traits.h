@@ -60,9 +60,10 @@ struct FwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
-        // The raw [BlockN, C] mask columns of a partial block, one buffer per consumer warpgroup.
-        alignas(16) int mask_cols[kConsumerWarpgroups][4 * kBlockN];
+        // The raw [BlockN, C] mask columns of a partial block, two buffers per consumer warpgroup.
+        alignas(16) int mask_cols[kConsumerWarpgroups][2][4 * kBlockN];
         cutlass::arch::ClusterTransactionBarrier barrier_q;
+        int next_job;  // the job the producer hands to the consumers (tile_scheduler.h)
         typename Pipeline::SharedStorage pipeline_k;
         typename Pipeline::SharedStorage pipeline_v;
     };

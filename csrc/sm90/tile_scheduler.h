@@ -1,0 +1,75 @@
+// The SM90 forward's persistent tile scheduler: one CTA per SM, each taking (query tile, head,
+// batch) jobs until none is left. CTA x starts with job x; after that the producer warp draws the
+// next job from an atomic counter as soon as it has issued the loads of the current one, and hands
+// it to the consumer warpgroups through shared memory. Drawing instead of striding keeps the list
+// schedule of the job order (heaviest first): a CTA that finishes early takes the next job.
+#pragma once
+#include <cutlass/arch/barrier.h>
+
+#include "common/launch_order.h"
+#include "common/params.h"
+
+namespace flashmask::sm90 {
+
+struct FwdJob {
+    int m_block, h, b;
+};
+
+// Named barriers of the hand-over (the kernel uses 1-4 and 7): the producer warp publishes into a
+// one-job slot that every consumer has read. Each consumer warpgroup waits for the publication on
+// its own barrier, so that one can start the next job while the other, half a block behind in the
+// pingpong, still finishes this one.
+template <int kConsumerWarpgroups>
+struct FwdScheduler {
+    static constexpr int kEmptyThreads = 32 + 128 * kConsumerWarpgroups, kFullThreads = 32 + 128;
+    static constexpr int kJobEmpty = 6;
+    __device__ static constexpr int job_full(int consumer_warpgroup) { return consumer_warpgroup == 0 ? 5 : 0; }
+    static_assert(kConsumerWarpgroups == 2);
+    int m_tiles, num_jobs;
+
+    __device__ FwdScheduler(const AttnParams& p, int block_m)
+        : m_tiles((p.sq + block_m - 1) / block_m), num_jobs(m_tiles * p.hq * p.b) {}
+
+    __device__ int first() const { return blockIdx.x; }
+    __device__ bool valid(int x) const { return x < num_jobs; }
+
+    // Job x of the order: the job list (masks), or the launch order of the SM80 kernels, heads in
+    // groups of p.head_group and causal tiles longest (last) first.
+    template <bool Is_causal>
+    __device__ FwdJob job(const AttnParams& p, int x) const {
+        if (p.job_list != nullptr) {
+            const int j = p.job_list[x];
+            const int bh = j / m_tiles;
+            return {j - bh * m_tiles, bh % p.hq, bh / p.hq};
+        }
+        const int per_batch = m_tiles * p.hq;
+        const int b = x / per_batch;
+        const JobHead jh = job_and_head(x - b * per_batch, m_tiles, p.head_group);
+        return {Is_causal ? m_tiles - 1 - jh.job : jh.job, jh.head, b};
+    }
+
+    // Producer warp, after issuing job `x`'s loads: draws the next job and publishes it. The first
+    // publication of a CTA has nothing to wait for; each later one waits until the consumers have
+    // read the previous one.
+    __device__ int publish_next(const AttnParams& p, int x, int& slot) const {
+        int next = 0;
+        if (threadIdx.x % 32 == 0) next = gridDim.x + atomicAdd(p.job_counter, 1);
+        next = __shfl_sync(0xffffffffu, next, 0);
+        if (x != first()) cutlass::arch::NamedBarrier::sync(kEmptyThreads, kJobEmpty);
+        // volatile: CUTLASS's named barriers carry no memory clobber for the compiler.
+        if (threadIdx.x % 32 == 0) *static_cast<volatile int*>(&slot) = next;
+        for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, job_full(wg));
+        return next;
+    }
+
+    // Consumers, after finishing a job: the next one. The slot is released only if the producer
+    // will publish again, i.e. if the job is a real one (no barrier arrival is left pending at exit).
+    __device__ int take_next(const int& slot, int consumer_warpgroup) const {
+        cutlass::arch::NamedBarrier::sync(kFullThreads, job_full(consumer_warpgroup));
+        const int next = *static_cast<const volatile int*>(&slot);
+        if (valid(next)) cutlass::arch::NamedBarrier::arrive(kEmptyThreads, kJobEmpty);
+        return next;
+    }
+};
+
+}  // namespace flashmask::sm90

@@ -21,6 +21,7 @@
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
+#include "sm90/fwd_epilogue.h"
 #include "sm90/fwd_traits.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
@@ -28,14 +29,15 @@
 namespace flashmask::sm90 {
 using namespace cute;
 
-// The kernel's argument: the common parameters and the TMA descriptors of Q, K and V (which must
-// live in parameter space, hence __grid_constant__).
-template <typename TmaQ, typename TmaK, typename TmaV>
+// The kernel's argument: the common parameters and the TMA descriptors of Q, K, V and O (which
+// must live in parameter space, hence __grid_constant__).
+template <typename TmaQ, typename TmaK, typename TmaV, typename TmaO>
 struct FwdArgs {
     AttnParams p;
     TmaQ tma_q;
     TmaK tma_k;
     TmaV tma_v;
+    TmaO tma_o;
 };
 
 // What a job means: its rows, heads and mask slice; identical in every warp.
@@ -55,7 +57,7 @@ struct TileJob {
     }
 };
 
-// Named barriers 1 and 2 guard the consumer warpgroups' mask buffers, 3 and 4 their pingpong turns,
+// Named barriers 1 and 2 guard the consumer warpgroups' mask and output buffers, 3 and 4 their pingpong turns,
 // 0, 5 and 6 hand jobs over (tile_scheduler.h) and 7 tells the producer that Q's buffer is free.
 constexpr int kMaskBarrier = 1;
 constexpr int kPingpongBarrier = 3;
@@ -300,8 +302,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         float lse[kRows];
         Tensor o_rc = rowcol(acc_o);
         softmax.finalize(o_rc, p.softmax_scale, lse);
-        output.write_rows(o_rc, cO, lse, tile.r0, tile.r1, ctid);
+        FwdEpilogue<Traits>::store(args.tma_o, p, acc_o, mma_pv, shared.o.data(), tile.m_block, tile.h, tile.b, ctid,
+                                   kMaskBarrier + cwg);
+        output.write_lse(cO, lse, tile.r0, tile.r1, ctid);
     }
+    FwdEpilogue<Traits>::drain(ctid);
 #endif
 }
 

@@ -1,4 +1,4 @@
-// Launch layer of the SM90 forward: TMA descriptors of Q, K and V over their real strides (no
+// Launch layer of the SM90 forward: TMA descriptors of Q, K, V and O over their real strides (no
 // copies), the persistent grid, the shared memory and the compile-time mask modes.
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
@@ -26,8 +26,11 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, typename Traits::SmemLayoutQ{}, typename Traits::TileQ{}, _1{});
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, sKV, typename Traits::TileKV{}, _1{});
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, sKV, typename Traits::TileKV{}, _1{});
-    using Args = FwdArgs<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
-    const Args args{p, tma_q, tma_k, tma_v};
+    const auto go = tma_view<Element, kHeadDim>(p.o, p.sq, p.d, p.hq, p.b, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
+    auto tma_o = make_tma_copy(SM90_TMA_STORE{}, go, typename Traits::SmemLayoutOHalf{},
+                               typename FwdEpilogue<Traits>::TileHalf{}, _1{});
+    using Args = FwdArgs<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
+    const Args args{p, tma_q, tma_k, tma_v, tma_o};
     // One CTA per SM (the shared memory allows no more), none idle.
     const int64_t jobs = int64_t((p.sq + Traits::kBlockM - 1) / Traits::kBlockM) * p.hq * p.b;
     TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 forward needs a job counter");

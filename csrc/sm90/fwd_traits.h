@@ -52,6 +52,14 @@ struct FwdTraits {
         SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
                                                   cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
+    // The output, per consumer warpgroup (64 rows), as the TMA store reads it; both halves
+    // together as the (rows, head dim) tile that the accumulator partitions.
+    using SmemLayoutOHalf = decltype(cute::tile_to_shape(
+        cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::_64,
+                                                            cute::Int<kHeadDim>>(),
+        cute::Shape<cute::_64, cute::Int<kHeadDim>>{}));
+    using SmemLayoutO = decltype(cute::tile_to_shape(SmemLayoutOHalf{}, TileQ{}));
+
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
@@ -60,6 +68,7 @@ struct FwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>> o;
         // The raw [BlockN, C] mask columns of a partial block, two buffers per consumer warpgroup.
         alignas(16) int mask_cols[kConsumerWarpgroups][2][4 * kBlockN];
         cutlass::arch::ClusterTransactionBarrier barrier_q;

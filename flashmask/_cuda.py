@@ -81,7 +81,8 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
 
 
 # Kernel architecture families: 80 = mma.sync kernels (any GPU from sm_80), 90 = wgmma/TMA kernels
-# (sm_90a). ``backend="sm80"`` / ``"sm90"`` or the environment variable FLASHMASK_ARCH=80|90 force one.
+# (sm_90a). ``backend="sm80"`` / ``"sm90"`` or the environment variable FLASHMASK_ARCH=80|90 (read once per
+# process, at the first kernel selection) force one.
 ARCHS = {"cuda": 0, "sm80": 80, "sm90": 90}
 
 

@@ -485,9 +485,15 @@ def init_parallel(args) -> Parallel:
 
 
 def finish_parallel(par: Parallel) -> None:
+    """Tears the process groups down (call it in a ``finally``). After a clean run the ranks first
+    wait for each other: a gloo rank that tore its groups down while a peer was still finishing
+    the last collective once aborted that peer at exit (SIGABRT, "terminate called without an
+    active exception"). After an error there is no barrier: a peer may be gone."""
     if par.distributed:
         import torch.distributed as dist
         if dist.is_initialized():
+            if sys.exc_info()[0] is None:
+                dist.barrier()
             dist.destroy_process_group()
 
 

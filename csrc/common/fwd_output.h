@@ -1,7 +1,8 @@
 // Where and how a forward CTA writes its query tile, on (rows, cols) views of its accumulator that
 // either architecture provides: the output and LSE, a split-KV partial result in fp32, or the zeros
-// and +inf of a tile that no key reaches. The SM80 kernel stages the output through shared memory
-// (sm80/fwd_epilogue.h); the rest is shared.
+// and +inf of a tile that no key reaches. Both kernels stage the output itself through shared
+// memory (sm80/fwd_epilogue.h, sm90/fwd_epilogue.h); the LSE, the split-KV partial results and the
+// empty tiles are written here.
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -44,7 +45,16 @@ struct FwdOutput {
     template <typename O, typename Coords>
     __forceinline__ __device__ void write_partial(O const& o_rc, Coords const& coords, const float* row_lse, int r0,
                                                   int r1, int tidx) const {
-        for_each_cell(o_rc, coords, r0, r1, [&](int row, int col, auto x) { o_part[int64_t(row) * d + col] = x; });
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
+            const int row = r0 + cute::get<0>(coords(mi, 0));
+            if (row >= r1) continue;
+            CUTE_UNROLL
+            for (int di = 0; di < cute::size<1>(o_rc); ++di) {
+                const int col = cute::get<1>(coords(mi, di));
+                if (col < d) o_part[int64_t(row) * d + col] = o_rc(mi, di);
+            }
+        }
         store_lse</*kSplit=*/true>(coords, row_lse, r0, r1, tidx);
     }
 
@@ -55,31 +65,7 @@ struct FwdOutput {
         store_lse</*kSplit=*/false>(coords, row_lse, r0, r1, tidx);
     }
 
-    // The output straight from registers (pairs of neighbouring columns), and the LSE.
-    template <typename O, typename Coords>
-    __forceinline__ __device__ void write_rows(O const& o_rc, Coords const& coords, const float* row_lse, int r0, int r1,
-                                               int tidx) const {
-        for_each_cell(o_rc, coords, r0, r1, [&](int row, int col, auto x) { o[row * row_stride + col] = Element(x); });
-        write_lse(coords, row_lse, r0, r1, tidx);
-    }
-
    private:
-    // store(row, col, value) for each accumulator element of rows [r0, r1) and columns [0, d).
-    template <typename O, typename Coords, typename Store>
-    __forceinline__ __device__ void for_each_cell(O const& o_rc, Coords const& coords, int r0, int r1,
-                                                  Store&& store) const {
-        CUTE_UNROLL
-        for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
-            const int row = r0 + cute::get<0>(coords(mi, 0));
-            if (row >= r1) continue;
-            CUTE_UNROLL
-            for (int di = 0; di < cute::size<1>(o_rc); ++di) {
-                const int col = cute::get<1>(coords(mi, di));
-                if (col < d) store(row, col, o_rc(mi, di));
-            }
-        }
-    }
-
     // The LSE of rows [r0, r1) from the first lane of each quad; a split's +inf (a row no key of the
     // split reaches) is written -inf, so that it adds nothing to the merge.
     template <bool kSplit, typename Coords>

@@ -199,8 +199,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     BwdParams p{};
     MaskMeta meta;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, /*block_m=*/0, sel.tiles.bwd_block_n,
-                /*persistent=*/false, meta,
-                stream);
+                /*persistent=*/false, meta, stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();

@@ -8,9 +8,6 @@ struct FwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
 };
 constexpr FwdTile fwd_tile(int head_dim) {
-    // The kernel also runs three consumer warpgroups (192-row tiles, no pingpong; FwdBarriers).
-    // At head dim 64 they were faster on most mask families on an H100, but causal document at
-    // 8K fell from 256 to 66 TFLOP/s, unexplained (docs/perf_notes.md, version 19): two it stays.
     return head_dim <= 64 ? FwdTile{128, 128, 2, 3} : FwdTile{128, 128, 2, 2};
 }
 

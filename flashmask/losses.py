@@ -33,6 +33,28 @@ IGNORE_INDEX = -100
 __all__ = ["linear_cross_entropy", "causal_lm_loss", "linear_token_logps", "IGNORE_INDEX"]
 
 
+class _HeadGrads:
+    """The gradients of ``hidden``, ``weight`` and ``bias`` of an LM head, accumulated chunk by
+    chunk from ``d loss / d logits`` (the weight's and bias's in ``acc``); ``None`` where not needed."""
+
+    def __init__(self, hidden, weight, acc, need_h: bool, need_w: bool, need_b: bool):
+        self.dh = torch.empty_like(hidden) if need_h else None
+        self.dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        self.db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+
+    def add(self, rows: slice, d, hc, weight) -> None:
+        """Rows ``rows`` of the tokens: ``d`` their ``[c, V]`` gradient of the logits (in ``acc``),
+        ``hc`` their hidden states."""
+        dl = d.to(hc.dtype)
+        if self.dh is not None:
+            self.dh[rows] = dl @ weight
+        if self.dw is not None:
+            self.dw.add_(dl.t() @ hc)
+        if self.db is not None:
+            self.db.add_(d.sum(0))
+
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size: int, ignore_index: int, normalizer):
@@ -45,9 +67,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = (1.0 / normalizer.to(device=hidden.device, dtype=acc))
         else:
             scale = torch.tensor(1.0 / float(normalizer), dtype=acc, device=hidden.device)
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        grads = _HeadGrads(hidden, weight, acc, need_h, need_w, need_b)
         for i in range(0, n, chunk_size):
             hc, yc = hidden[i:i + chunk_size], targets[i:i + chunk_size]
             logits = torch.nn.functional.linear(hc, weight, bias).to(acc)  # [c, V], the only big buffer
@@ -61,15 +81,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = logits.sub_(lse.unsqueeze(1)).exp_()
                 g.scatter_add_(1, safe_y, torch.full_like(picked, -1.0).unsqueeze(1))
                 g.mul_((valid.to(g.dtype) * scale).unsqueeze(1))
-                gl = g.to(hidden.dtype)
-                if need_h:
-                    dh[i:i + chunk_size] = gl @ weight
-                if need_w:
-                    dw.add_(gl.t() @ hc)
-                if need_b:
-                    db.add_(g.sum(0))
+                grads.add(slice(i, i + chunk_size), g, hc, weight)
             del logits
-        ctx.save_for_backward(*(t for t in (dh, dw, db) if t is not None))
+        ctx.save_for_backward(*(t for t in (grads.dh, grads.dw, grads.db) if t is not None))
         ctx.which = (need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total * scale
@@ -179,9 +193,7 @@ class _LinearTokenLogps(torch.autograd.Function):
         hidden, weight, bias, targets, lse_all = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse_all.dtype
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        grads = _HeadGrads(hidden, weight, acc, need_h, need_w, need_b)
         c = ctx.chunk_size
         for i in range(0, hidden.shape[0], c):
             hc, yc = hidden[i:i + c], targets[i:i + c]
@@ -191,14 +203,9 @@ class _LinearTokenLogps(torch.autograd.Function):
             d = torch.nn.functional.linear(hc, weight, bias).to(acc).sub_(lse_all[i:i + c].unsqueeze(1)).exp_()
             d.scatter_add_(1, torch.where(valid, yc, 0).unsqueeze(1), torch.full_like(gc, -1.0).unsqueeze(1))
             d.mul_(-gc.unsqueeze(1))
-            dl = d.to(hidden.dtype)
-            if need_h:
-                dh[i:i + c] = dl @ weight
-            if need_w:
-                dw.add_(dl.t() @ hc)
-            if need_b:
-                db.add_(d.sum(0))
-        return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
+            grads.add(slice(i, i + c), d, hc, weight)
+        dw, db = grads.dw, grads.db
+        return (grads.dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
                 None, None, None)
 
 

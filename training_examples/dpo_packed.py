@@ -236,13 +236,7 @@ def copy_weights(dst, src) -> None:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     """Run the example; returns ``example_utils.train``'s summary plus ``accuracy`` per step."""
-    args = parse_args(argv)
-    example_utils.resolve_device_dtype(args)
-    par = example_utils.init_parallel(args)
-    try:
-        return run(args, par)
-    finally:
-        example_utils.finish_parallel(par)
+    return example_utils.run_parallel(parse_args(argv), run)
 
 
 def run(args, par: example_utils.Parallel) -> Dict:

@@ -497,6 +497,17 @@ def finish_parallel(par: Parallel) -> None:
             dist.destroy_process_group()
 
 
+def run_parallel(args, run):
+    """``run(args, par)`` on the device and dtype of ``args``, inside the process groups of
+    :func:`init_parallel` (one process: none), which are torn down after it however it ends."""
+    resolve_device_dtype(args)
+    par = init_parallel(args)
+    try:
+        return run(args, par)
+    finally:
+        finish_parallel(par)
+
+
 def prepare_model(model, args, par: Parallel, *, train: bool = True):
     """Activation checkpointing of every layer (``--gradient-checkpointing`` / ``--offload``, when
     ``train``); the MLPs in chunks (``--mlp-chunk``; also for a frozen model, whose forward without

@@ -86,13 +86,7 @@ def load_documents(args, tok) -> List[Dict[str, List[int]]]:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     """Run the example; returns ``example_utils.train``'s summary (losses, tokens_per_s, checkpoint, ...)."""
-    args = parse_args(argv)
-    example_utils.resolve_device_dtype(args)
-    par = example_utils.init_parallel(args)
-    try:
-        return run(args, par)
-    finally:
-        example_utils.finish_parallel(par)
+    return example_utils.run_parallel(parse_args(argv), run)
 
 
 def run(args, par: example_utils.Parallel) -> Dict:

@@ -396,22 +396,16 @@ def _sharding_case(world, rank):
         assert "labels" not in local and "attn_mask_startend_row_indices" not in local
 
 
-def _worker(rank, world, init_file, outdir, names):
+def _run_cases(rank, world, init_file, outdir, names, run_one):
+    """One process of a gloo group: ``run_one(i, name)`` for each case, recording "ok" or the
+    traceback per case in ``outdir/rank{rank}.json`` (a failing case does not stop the others)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
-    cases = dict(_case_list(world))
     try:
         for i, name in enumerate(names):
             try:
-                if name == "errors":
-                    _errors_case(world)
-                elif name == "comm-fallbacks":
-                    _comm_fallback_case(world, rank)
-                elif name == "sharding":
-                    _sharding_case(world, rank)
-                else:
-                    _run_case(cases[name], world, rank, seed=1000 + i)
+                run_one(i, name)
                 results[name] = "ok"
             except Exception:
                 results[name] = traceback.format_exc()
@@ -422,18 +416,37 @@ def _worker(rank, world, init_file, outdir, names):
         dist.destroy_process_group()
 
 
-def _spawn(world, names, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"cp{world}")
-    mp.spawn(_worker, args=(world, str(d / "init"), str(d), names), nprocs=world, join=True)
+def _spawn_cases(worker, world, names, d):
+    """``worker`` in ``world`` processes; {case: [the failure of each rank where it failed]}."""
+    mp.spawn(worker, args=(world, str(d / "init"), str(d), names), nprocs=world, join=True)
     out = {}
     for r in range(world):
         with open(d / f"rank{r}.json") as f:
             for name, res in json.load(f).items():
+                out.setdefault(name, [])
                 if res != "ok":
-                    out.setdefault(name, []).append(f"rank {r}: {res}")
-                else:
-                    out.setdefault(name, [])
+                    out[name].append(f"rank {r}: {res}")
     return out
+
+
+def _worker(rank, world, init_file, outdir, names):
+    cases = dict(_case_list(world))
+
+    def run_one(i, name):
+        if name == "errors":
+            _errors_case(world)
+        elif name == "comm-fallbacks":
+            _comm_fallback_case(world, rank)
+        elif name == "sharding":
+            _sharding_case(world, rank)
+        else:
+            _run_case(cases[name], world, rank, seed=1000 + i)
+
+    _run_cases(rank, world, init_file, outdir, names, run_one)
+
+
+def _spawn(world, names, tmp_path_factory):
+    return _spawn_cases(_worker, world, names, tmp_path_factory.mktemp(f"cp{world}"))
 
 
 _NAMES = {w: [n for n, _ in _case_list(w)] + ["errors", "sharding", "comm-fallbacks"] for w in (2, 4)}
@@ -611,41 +624,21 @@ _HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv
 
 
 def _hf_worker(rank, world, init_file, outdir, names):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name in names:
-            try:
-                mode = "ulysses" if "ulysses" in name else "allgather_kv"
-                if "dpo" in name:
-                    _hf_dpo_case(mode, rank)
-                else:
-                    _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
-                             mlp_chunk=7 if "chunked-mlp" in name else 0)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    def run_one(_, name):
+        mode = "ulysses" if "ulysses" in name else "allgather_kv"
+        if "dpo" in name:
+            _hf_dpo_case(mode, rank)
+        else:
+            _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
+                     mlp_chunk=7 if "chunked-mlp" in name else 0)
+
+    _run_cases(rank, world, init_file, outdir, names, run_one)
 
 
 @pytest.fixture(scope="module")
 def hf_world2(tmp_path_factory):
     pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("cp_hf")
-    mp.spawn(_hf_worker, args=(2, str(d / "init"), str(d), _HF_NAMES), nprocs=2, join=True)
-    out = {}
-    for r in range(2):
-        with open(d / f"rank{r}.json") as f:
-            for name, res in json.load(f).items():
-                out.setdefault(name, [])
-                if res != "ok":
-                    out[name].append(f"rank {r}: {res}")
-    return out
+    return _spawn_cases(_hf_worker, 2, _HF_NAMES, tmp_path_factory.mktemp("cp_hf"))
 
 
 @pytest.mark.parametrize("name", _HF_NAMES)

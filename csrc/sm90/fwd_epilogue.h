@@ -39,7 +39,7 @@ struct FwdEpilogue {
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(128, barrier_id);
 
-        const int row_tile = m_block * 2 + cwg;
+        const int row_tile = m_block * Traits::kConsumerWarpgroups + cwg;
         if (leader && row_tile * 64 < p.sq) {
             Tensor mO = tma_o.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
             Tensor gO = local_tile(mO(_, _, h, b), TileHalf{}, make_coord(row_tile, _0{}));

@@ -21,6 +21,7 @@
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
+#include "sm90/fwd_barriers.h"
 #include "sm90/fwd_epilogue.h"
 #include "sm90/fwd_traits.h"
 #include "sm90/tile_scheduler.h"
@@ -57,17 +58,13 @@ struct TileJob {
     }
 };
 
-// Named barriers 1 and 2 guard the consumer warpgroups' mask and output buffers, 3 and 4 their pingpong turns,
-// 0, 5 and 6 hand jobs over (tile_scheduler.h) and 7 tells the producer that Q's buffer is free.
-constexpr int kMaskBarrier = 1;
-constexpr int kPingpongBarrier = 3;
-constexpr int kQFreeBarrier = 7;
 
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool Has_mask = kMaskC > 0;
-    static_assert(Traits::kConsumerWarpgroups == 2, "the pingpong below alternates two warpgroups");
+    constexpr int kWarpgroups = Traits::kConsumerWarpgroups;
+    using Barriers = FwdBarriers<kWarpgroups>;
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
@@ -81,7 +78,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     const int warp_group = threadIdx.x / 128;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const FwdScheduler<Traits::kConsumerWarpgroups> scheduler(p, Traits::kBlockM);
+    const FwdScheduler<kWarpgroups> scheduler(p, Traits::kBlockM);
 
     // Barriers: Q's (one arrival with its byte count, one phase per job that loads it), and the K
     // and V pipelines (warp 0 of the producer is their only producer; every consumer thread
@@ -101,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
 
     if (warp_group == 0) {
-        cutlass::arch::warpgroup_reg_dealloc<24>();
+        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
         if (warp != 0) return;
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
@@ -123,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
             auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
             // The previous job's Q stays until both consumer warpgroups have issued their last S.
-            if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, kQFreeBarrier);
+            if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, Barriers::kQFree);
             q_loaded = true;
             if (lane == 0) {
                 shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
@@ -145,12 +142,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             }
         }
         // Take the consumers' last "Q free" so that no arrival is left pending.
-        if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, kQFreeBarrier);
+        if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, Barriers::kQFree);
         return;
     }
 
     // Consumers.
-    cutlass::arch::warpgroup_reg_alloc<240>();
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     const int ctid = threadIdx.x - 128;  // thread index among the consumers
     const int cwg = warp_group - 1;
     Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutVt{});
@@ -167,13 +164,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     int* const smem_mask = shared.mask_cols[cwg][0];
     constexpr int kMaskBuffer = 4 * kBlockN;  // ints between the warpgroup's two mask buffers
 
-    // Pingpong: the two consumer warpgroups take turns issuing their GEMMs, so that one's softmax
-    // runs while the other's GEMMs keep the tensor cores busy. A warpgroup waits on its own named
-    // barrier, which the other one's arrival completes once that one has issued; warpgroup 0 goes
-    // first in every job.
-    const int my_turn = kPingpongBarrier + cwg, other_turn = kPingpongBarrier + (cwg ^ 1);
-    auto wait_turn = [&]() { cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, my_turn); };
-    auto pass_turn = [&]() { cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads, other_turn); };
+    // Pingpong (two consumer warpgroups): they take turns issuing their GEMMs, so that one's
+    // softmax runs while the other's GEMMs keep the tensor cores busy. A warpgroup waits on its
+    // own named barrier, which the other one's arrival completes once that one has issued;
+    // warpgroup 0 goes first in every job. Three warpgroups issue freely, and their turn is a
+    // barrier of the warpgroup alone: every turn also orders the mask buffers (below).
+    const int buffers_barrier = Barriers::buffers(cwg);
+    auto wait_turn = [&]() {
+        if constexpr (Barriers::kPingpong) cutlass::arch::NamedBarrier::sync(256, Barriers::turn(cwg));
+        else if constexpr (Has_mask) cutlass::arch::NamedBarrier::sync(128, buffers_barrier);
+    };
+    auto pass_turn = [&]() {
+        if constexpr (Barriers::kPingpong) cutlass::arch::NamedBarrier::arrive(256, Barriers::turn(cwg ^ 1));
+    };
 
     cutlass::PipelineState<Traits::kStages> state_k, state_v;
     int q_phase = 0;
@@ -207,10 +210,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         };
         auto stage_mask_now = [&](int n, const TileCompare& cmp, int buf) {
             if (Has_mask && cmp.intervals) {
-                cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);  // the last job's readers
+                cutlass::arch::NamedBarrier::sync(128, buffers_barrier);  // the last job's readers
                 request_mask(n, cmp, buf);
                 cp_async_wait<0>();
-                cutlass::arch::NamedBarrier::sync(128, kMaskBarrier + cwg);
+                cutlass::arch::NamedBarrier::sync(128, buffers_barrier);
             }
         };
 
@@ -237,7 +240,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
         };
 
-        if (cwg == 1) pass_turn();
+        if (cwg == 1) pass_turn();  // pingpong: warpgroup 0 goes first
         shared.barrier_q.wait(q_phase);
         q_phase ^= 1;
         int buf = 0;
@@ -290,11 +293,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             store_p();
         }
         // Every S of this job is in: the producer may load the next job's Q.
-        cutlass::arch::NamedBarrier::arrive(kQFreeThreads, kQFreeBarrier);
+        cutlass::arch::NamedBarrier::arrive(kQFreeThreads, Barriers::kQFree);
         pipeline_v.consumer_wait(state_v);
         wait_turn();
         wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
-        if (cwg == 0) pass_turn();  // warpgroup 1's last turn is its last: leave no arrival pending
+        if (cwg == 0) pass_turn();  // pingpong: warpgroup 1's last turn is its last, no arrival left pending
         warpgroup_wait<0>();
         pipeline_v.consumer_release(state_v);
         ++state_v;
@@ -303,7 +306,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor o_rc = rowcol(acc_o);
         softmax.finalize(o_rc, p.softmax_scale, lse);
         FwdEpilogue<Traits>::store(args.tma_o, p, acc_o, mma_pv, shared.o.data(), tile.m_block, tile.h, tile.b, ctid,
-                                   kMaskBarrier + cwg);
+                                   buffers_barrier);
         output.write_lse(cO, lse, tile.r0, tile.r1, ctid);
     }
     FwdEpilogue<Traits>::drain(ctid);

@@ -20,6 +20,10 @@ struct FwdTraits {
     static constexpr int kConsumerWarpgroups = fwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;  // + one producer warpgroup
+    // setmaxnreg: the producer gives its registers to the consumers (65536 per SM in all).
+    static constexpr int kProducerRegisters = 24;
+    static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
+    static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536);
     static_assert(kBlockM == 64 * kConsumerWarpgroups);
 
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;

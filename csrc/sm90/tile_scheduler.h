@@ -8,6 +8,7 @@
 
 #include "common/launch_order.h"
 #include "common/params.h"
+#include "sm90/fwd_barriers.h"
 
 namespace flashmask::sm90 {
 
@@ -15,16 +16,13 @@ struct FwdJob {
     int m_block, h, b;
 };
 
-// Named barriers of the hand-over (the kernel uses 1-4 and 7): the producer warp publishes into a
-// one-job slot that every consumer has read. Each consumer warpgroup waits for the publication on
-// its own barrier, so that one can start the next job while the other, half a block behind in the
-// pingpong, still finishes this one.
+// The hand-over: the producer warp publishes into a one-job slot that every consumer has read.
+// Each consumer warpgroup waits for the publication on its own barrier, so that one can start the
+// next job while another, half a block behind in the pingpong, still finishes this one.
 template <int kConsumerWarpgroups>
 struct FwdScheduler {
+    using Barriers = FwdBarriers<kConsumerWarpgroups>;
     static constexpr int kEmptyThreads = 32 + 128 * kConsumerWarpgroups, kFullThreads = 32 + 128;
-    static constexpr int kJobEmpty = 6;
-    __device__ static constexpr int job_full(int consumer_warpgroup) { return consumer_warpgroup == 0 ? 5 : 0; }
-    static_assert(kConsumerWarpgroups == 2);
     int m_tiles, num_jobs;
 
     __device__ FwdScheduler(const AttnParams& p, int block_m)
@@ -55,19 +53,19 @@ struct FwdScheduler {
         int next = 0;
         if (threadIdx.x % 32 == 0) next = gridDim.x + atomicAdd(p.job_counter, 1);
         next = __shfl_sync(0xffffffffu, next, 0);
-        if (x != first()) cutlass::arch::NamedBarrier::sync(kEmptyThreads, kJobEmpty);
+        if (x != first()) cutlass::arch::NamedBarrier::sync(kEmptyThreads, Barriers::kJobEmpty);
         // volatile: CUTLASS's named barriers carry no memory clobber for the compiler.
         if (threadIdx.x % 32 == 0) *static_cast<volatile int*>(&slot) = next;
-        for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, job_full(wg));
+        for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, Barriers::job_full(wg));
         return next;
     }
 
     // Consumers, after finishing a job: the next one. The slot is released only if the producer
     // will publish again, i.e. if the job is a real one (no barrier arrival is left pending at exit).
     __device__ int take_next(const int& slot, int consumer_warpgroup) const {
-        cutlass::arch::NamedBarrier::sync(kFullThreads, job_full(consumer_warpgroup));
+        cutlass::arch::NamedBarrier::sync(kFullThreads, Barriers::job_full(consumer_warpgroup));
         const int next = *static_cast<const volatile int*>(&slot);
-        if (valid(next)) cutlass::arch::NamedBarrier::arrive(kEmptyThreads, kJobEmpty);
+        if (valid(next)) cutlass::arch::NamedBarrier::arrive(kEmptyThreads, Barriers::kJobEmpty);
         return next;
     }
 };

@@ -1,0 +1,22 @@
+// The named barriers of the SM90 forward (CUTLASS user ids 0-7, all eight in use). Some belong to
+// one consumer warpgroup: with two warpgroups they take turns issuing their GEMMs (pingpong); with
+// three (head dim 64, 192-row tiles) they issue freely and their turn barriers are reused.
+#pragma once
+
+namespace flashmask::sm90 {
+
+template <int kConsumerWarpgroups>
+struct FwdBarriers {
+    static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
+    static constexpr bool kPingpong = kConsumerWarpgroups == 2;
+    // The warpgroup's mask and output buffers (its 128 threads): 1, 2 (, 3).
+    __device__ static constexpr int buffers(int wg) { return 1 + wg; }
+    // Pingpong only: the turn of warpgroup 0 or 1, which the other one's arrival completes: 3, 4.
+    __device__ static constexpr int turn(int wg) { return 3 + wg; }
+    // A job published by the producer warp, one per warpgroup (tile_scheduler.h): 5, 0 (, 4).
+    __device__ static constexpr int job_full(int wg) { return wg == 0 ? 5 : wg == 1 ? 0 : 4; }
+    // Every consumer has read the published job; the producer may load the next Q.
+    static constexpr int kJobEmpty = 6, kQFree = 7;
+};
+
+}  // namespace flashmask::sm90

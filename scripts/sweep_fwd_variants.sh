@@ -1,0 +1,52 @@
+#!/bin/bash
+# On a GPU machine: build several compile-time variants of the kernels side by side (copies under
+# /tmp, built in parallel), then time the flashmask forward of every mask family with each.
+#   VARIANTS="base= wg2=FWD_WG64=2"   name=settings: each K=V defines FLASHMASK_SM90_K as V
+#                                               on top of csrc/sm90/tile_config.h (its tuning macros)
+#   HEAD_DIM=64 DTYPE=bf16 SEQLENS=8k,32k,128k         what to build and time
+#   AFTER="command"                                    run after the timings, with V_<name> set
+#                                                       to each variant's folder (e.g. ncu)
+# Prints one line per (family, seqlen) with each variant's TFLOP/s; CSVs under $OUT/<name>/.
+set -o pipefail
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}
+read -r -a VARS <<< "${VARIANTS:?VARIANTS=\"name=flags ...\"}"
+python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v "^WARNING" | tail -3
+jobs=$(( 16 / ${#VARS[@]} )); [ $jobs -lt 2 ] && jobs=2
+t0=$(date +%s)
+for v in "${VARS[@]}"; do
+    name=${v%%=*}; flags=${v#*=}
+    dir=/tmp/variant_$name; rm -rf "$dir"; mkdir -p "$dir"
+    cp -r setup.py pyproject.toml README.md LICENSE csrc flashmask masks benchmarks "$dir"/
+    defs=""; IFS=, read -r -a kvs <<< "$flags"
+    for kv in "${kvs[@]}"; do [ -n "$kv" ] && defs+="#define FLASHMASK_SM90_${kv%%=*} ${kv#*=}"$'\n'; done
+    printf '%s' "$defs" | cat - csrc/sm90/tile_config.h > "$dir/csrc/sm90/tile_config.h"
+    ( cd "$dir" && FLASHMASK_BUILD_CUDA=1 FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=$HEAD_DIM FLASHMASK_DTYPES=$DTYPE \
+        MAX_JOBS=$jobs python3 setup.py build_ext --inplace > "$OUT/build_$name.log" 2>&1 \
+        || echo "BUILD FAILED: $name" ) &
+    export "V_$name=$dir"
+done
+wait
+echo "built ${#VARS[@]} variants in $(( $(date +%s) - t0 )) s"
+for v in "${VARS[@]}"; do
+    name=${v%%=*}; dir=/tmp/variant_$name
+    ( cd "$dir" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
+        --head-dims "$HEAD_DIM" --modes fwd --methods flashmask --quick --out "$OUT/$name" > "$OUT/bench_$name.log" 2>&1 \
+        || { echo "BENCH FAILED: $name"; tail -5 "$OUT/bench_$name.log"; } )
+done
+[ -n "${AFTER:-}" ] && eval "$AFTER"
+python3 - "$OUT" "${VARS[@]}" <<'EOF'
+import csv, sys, os
+out, names = sys.argv[1], [v.split("=", 1)[0] for v in sys.argv[2:]]
+rows = {}
+for n in names:
+    path = os.path.join(out, n, "kernels.csv")
+    if not os.path.exists(path):
+        continue
+    for r in csv.DictReader(open(path)):
+        if r["status"] == "ok":
+            rows.setdefault((r["family"], int(r["seqlen"])), {})[n] = float(r["tflops"])
+print(f"{'family':24s} {'seqlen':>7s} " + " ".join(f"{n:>9s}" for n in names))
+for (f, s), d in sorted(rows.items()):
+    print(f"{f:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))
+EOF

@@ -36,8 +36,8 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
     },
     "sm90": {
         "fwd": Kernel("sm90/fwd_launch.h", "sm90::run_fwd", "AttnParams"),
-        # H100, D=128: 0.92-1.17x the SM80 backward by mask family (docs/perf_notes.md, version 16).
-        "bwd_kv": Kernel("sm90/bwd_launch.h", "sm90::run_bwd", "BwdParams", auto=False),
+        # H100: 1.20-1.45x the SM80 backward at D=128, 1.01-1.26x at D=64 (docs/perf_notes.md, version 21).
+        "bwd_kv": Kernel("sm90/bwd_launch.h", "sm90::run_bwd", "BwdParams"),
     },
 }
 # Head dims per architecture family (a subset of HEAD_DIMS); the binding runs any other head dim on

@@ -171,9 +171,9 @@ def test_arch_selection():
     out, lse = flashmask.flashmask_attention(q, q, q, causal=True, return_lse=True, backend="sm80")
     assert_close_to_reference(out, lse, q, q, q, None, True)
     if 90 in _cuda.compiled_archs(cuda_cases.kernel_head_dim(d), dtype) and newest == 90:
-        # The SM90 backward runs when asked for; unasked, the faster SM80 one; deterministic: SM80.
+        # The SM90 backward runs asked for or not; the deterministic one is SM80's.
         assert _cuda.selected_arch(q, 90, "bwd") == 90
-        assert _cuda.selected_arch(q, 0, "bwd") == 80
+        assert _cuda.selected_arch(q, 0, "bwd") == 90
         assert _cuda.selected_arch(q, 90, "bwd_deterministic") == 80
     if "sm90" not in cuda_cases.KERNEL_BACKENDS:
         with pytest.raises(RuntimeError, match="sm90"):

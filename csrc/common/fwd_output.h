@@ -1,7 +1,7 @@
 // Where and how a forward CTA writes its query tile, on (rows, cols) views of its accumulator that
 // either architecture provides: the output and LSE, a split-KV partial result in fp32, or the zeros
 // and +inf of a tile that no key reaches. Both kernels stage the output itself through shared
-// memory (sm80/fwd_epilogue.h, sm90/fwd_epilogue.h); the LSE, the split-KV partial results and the
+// memory (sm80/fwd_epilogue.h, sm90/tile_store.h); the LSE, the split-KV partial results and the
 // empty tiles are written here.
 #pragma once
 #include <cute/tensor.hpp>

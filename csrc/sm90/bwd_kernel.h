@@ -14,6 +14,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "common/launch_order.h"
+#include "common/cp_async.h"
 #include "common/params.h"
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
@@ -24,21 +25,23 @@
 namespace flashmask::sm90 {
 using namespace cute;
 
-template <typename TmaQ, typename TmaDO, typename TmaK, typename TmaV>
+template <typename TmaQ, typename TmaDO, typename TmaK, typename TmaV, typename TmaStore>
 struct BwdArgs {
     BwdParams p;
     TmaQ tma_q;
     TmaDO tma_do;
     TmaK tma_k;
     TmaV tma_v;
+    TmaStore tma_dk, tma_dv;
 };
 
-// Named barriers: the consumers' mask columns staged once and dS in shared memory; the dQ tile
-// handed from the consumers to the dQ warp (full) and back (empty).
-constexpr int kBwdMaskBarrier = 1;
+// Named barriers: the consumers' first staging (mask columns, the first block's LSE and D) and dS
+// in shared memory; the dQ tile handed from the consumers to the dQ warp (full) and back (empty).
+constexpr int kBwdStagedBarrier = 1;
 constexpr int kBwdDsBarrier = 2;
 constexpr int kBwdDqFullBarrier = 3;
 constexpr int kBwdDqEmptyBarrier = 4;
+constexpr int kBwdStoreBarrier = 5;  // 5 and 6: each consumer warpgroup's dK and dV buffers
 
 // dst[0, bytes) += src[0, bytes) in fp32, by the TMA unit (a bulk reduction; part of the issuing
 // thread's bulk group: cute::tma_store_arrive commits it, cute::tma_store_wait waits for its reads).
@@ -47,18 +50,6 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(s),
                  "r"(bytes)
                  : "memory");
-}
-
-// Writes a (rows, cols) register tile to rows [row0, row0 + rows) of a [S, D] slice with row stride
-// `stride`, rows < max_rows and cols < max_cols, scaled by `scale`.
-template <typename Element, typename T, typename Coords>
-__forceinline__ __device__ void store_rows(T const& t, Coords const& coords, Element* base, int64_t stride,
-                                           int max_rows, int max_cols, float scale) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(t); ++i) {
-        const int r = get<0>(coords(i)), c = get<1>(coords(i));
-        if (r < max_rows && c < max_cols) base[r * stride + c] = Element(t(i) * scale);
-    }
 }
 
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
@@ -191,65 +182,87 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
         Tensor tQrdS = thr_q.partition_fragment_A(sdS);
         Tensor tQrKt = thr_q.partition_fragment_B(sKt);
-        // (key, query) of each score this thread holds, and (query, head dim) of its dQ.
+        // (key, query) of each score this thread holds.
         Tensor cST = thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{}));
         Tensor cST_rc = rowcol(cST);
-        Tensor tdQsdQ = thr_q.partition_C(
-            make_tensor(make_smem_ptr(shared.dq), make_layout(typename Traits::TileQ{}, LayoutRight{})));
+        // Each thread's dQ values go to shared memory four at a time, a warp's 16-byte stores
+        // side by side (the row-major tile took 8-way bank conflicts); the accumulator in global
+        // memory keeps this order and dq_convert_kernel undoes it.
+        float4* const dq_out = reinterpret_cast<float4*>(shared.dq) + ctid;
 
-        if (Has_mask) {  // the interval values of this CTA's keys, for every partial tile
-            stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, mask.cols, c0, p.sk, ctid);
-            cp_async_fence();
-            cp_async_wait<0>();
-            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdMaskBarrier);
-        }
         const float* lse = p.lse + (int64_t(b) * p.hq + h) * p.sq;
         const float* dsum = p.dsum + (int64_t(b) * p.hq + h) * p.sq;
+        // The LSE and D of a query block's rows, staged by cp.async one block ahead into one of two
+        // buffers: copied before the dS barrier of the block before, read before the dS barrier of
+        // their own block, overwritten only after it.
+        auto stage_rows = [&](int m, int buf) {
+            if (ctid < 2 * kBlockM) {
+                const int i = ctid % kBlockM, row = m * kBlockM + i;
+                const float* src = ctid < kBlockM ? lse : dsum;
+                cp_async_4(&shared.row_stats[buf][ctid / kBlockM][i], row < p.sq ? src + row : src, row < p.sq);
+            }
+            cp_async_fence();
+        };
+        if (Has_mask) {  // the interval values of this CTA's keys, for every partial tile
+            stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, mask.cols, c0, p.sk, ctid);
+        }
+        stage_rows(m_first, 0);
+        cp_async_wait<0>();
+        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
 
         // (Issuing the next block's S^T and dP^T before this block's dQ leaves would overlap more, but
         // keeping both live across the loop spills at 240 registers.)
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
         cutlass::PipelineState<Traits::kStages> state;
-        auto issue_sdp = [&]() {
-            pipeline_q.consumer_wait(state);
-            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
-            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
-        };
         shared.barrier_kv.wait(0);
+        int buf = 0;
         for (int m = m_first; m < m_end;) {
             const int r0 = m * kBlockM;
             const TileCompare compare = walk.compare(m);
             const int m_next = walk.visible_at_or_above(m + 1);
-            issue_sdp();
-            warpgroup_wait<0>();
+            if (m_next < m_end) stage_rows(m_next, buf ^ 1);
+            pipeline_q.consumer_wait(state);
+            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
+            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
+            warpgroup_wait<1>();  // S^T is in; dP^T may still run
 
-            // P^T = exp(S^T scale - LSE) and dS^T = P^T (dP^T - D), with queries as columns.
+            // P^T = exp(S^T scale - LSE), queries as columns; dV += P^T dO runs while dP^T lands.
             Tensor st = rowcol(acc_s);
-            Tensor dpt = rowcol(acc_dp);
             if (compare.any) {
                 mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, causal_offset,
                                                                   shared.mask_cols);
             }
+            const float* lse_rows = shared.row_stats[buf][0];
+            const float* d_rows = shared.row_stats[buf][1];
             CUTE_UNROLL
             for (int ni = 0; ni < size<1>(st); ++ni) {
-                const int row = r0 + get<1>(cST_rc(0, ni));
-                const float lse_log2 = row < p.sq ? lse[row] * float(M_LOG2E) : INFINITY;
-                const float d = row < p.sq ? dsum[row] : 0.f;
+                const int i = get<1>(cST_rc(0, ni));
+                const float lse_log2 = r0 + i < p.sq ? lse_rows[i] * float(M_LOG2E) : INFINITY;
                 CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(st); ++mi) {
-                    st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
-                    dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
-                }
+                for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
             }
             Tensor rP = convert_to<Element>(acc_s);
-            Tensor rdS = convert_to<Element>(acc_dp);
             wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
                                             tKVrdOt(_, _, _, state.index()), acc_dv);
+            warpgroup_wait<1>();  // dP^T is in; dV may still run
+
+            // dS^T = P^T (dP^T - D); dK += dS^T Q.
+            Tensor dpt = rowcol(acc_dp);
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(dpt); ++ni) {
+                const int i = get<1>(cST_rc(0, ni));
+                const float d = r0 + i < p.sq ? d_rows[i] : 0.f;
+                CUTE_UNROLL
+                for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+            }
+            Tensor rdS = convert_to<Element>(acc_dp);
             wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
                                             tKVrQt(_, _, _, state.index()), acc_dk);
 
-            // dS into shared memory once both warpgroups are done reading the last block's.
+            // dS into shared memory once both warpgroups are done reading the last block's (and the
+            // next block's LSE and D have landed: the same barrier publishes them).
+            cp_async_wait<0>();
             cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
             copy(rdS, tSsdSt);
             cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
@@ -261,38 +274,57 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             ++state;
             // dQ to the dQ warp's buffer once it has sent the last one.
             cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
-            copy(acc_dq, tdQsdQ);
+            CUTE_UNROLL
+            for (int v = 0; v < size(acc_dq); v += 4) {
+                dq_out[(v / 4) * Traits::kConsumerThreads] = make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
+            }
             cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
             cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqFullBarrier);
+            buf ^= 1;
             m = m_next;
         }
     }
 
-    // dK (scaled by the softmax scale) and dV of this query head's slice; keys past the end are
-    // not written, and a key block no query sees writes zeros.
-    Tensor cKV = thr_kv.partition_C(make_identity_tensor(typename Traits::TileKV{}));
-    Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + h * p.dk_head_stride + int64_t(c0) * p.dk_row_stride;
-    Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + h * p.dv_head_stride + int64_t(c0) * p.dv_row_stride;
-    store_rows(acc_dk, cKV, dk, p.dk_row_stride, p.sk - c0, p.d, p.softmax_scale);
-    store_rows(acc_dv, cKV, dv, p.dv_row_stride, p.sk - c0, p.d, 1.f);
+    // dK (scaled by the softmax scale) and dV of this query head's slice, through the Q and dO
+    // buffers: the other warpgroup's GEMMs, the last readers, finished before the last dQ hand-over.
+    // A key block no query sees writes zeros.
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+    using Store = typename Traits::KVStore;
+    const auto shape = make_shape(p.sk, p.d, p.hq, p.b);
+    const int wg_barrier = kBwdStoreBarrier + ctid / 128;
+    Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, shared.q.data(), n_block * Traits::kConsumerWarpgroups,
+                                   h, b, ctid, wg_barrier);
+    Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, shared.dout.data(),
+                                   n_block * Traits::kConsumerWarpgroups, h, b, ctid, wg_barrier);
+    Store::drain(ctid);
 #endif
 }
 
-// dQ = softmax_scale * accumulator, cast to the input dtype: the accumulator is row-major
-// [B, Hq, rows rounded up to BlockM, head dim] in fp32.
-template <typename Element, int kHeadDim>
-__global__ void dq_convert_kernel(const BwdParams p, int rows_padded) {
-    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t total = int64_t(p.b) * p.hq * p.sq * p.d;
-    if (i >= total) return;
-    const int c = i % p.d;
-    const int64_t row = i / p.d;  // (b, h, s)
-    const int s = row % p.sq;
-    const int h = (row / p.sq) % p.hq;
-    const int64_t b = row / (int64_t(p.sq) * p.hq);
-    const float acc = p.dq_accum[((b * p.hq + h) * rows_padded + s) * kHeadDim + c];
-    static_cast<Element*>(p.dq)[b * p.dq_batch_stride + s * p.dq_row_stride + h * p.dq_head_stride + c] =
-        Element(acc * p.softmax_scale);
+// dQ = softmax_scale * accumulator, cast to the input dtype. The accumulator holds one
+// [BlockM, head dim] tile per (batch, head, query block) in the order the kernel stages it: value v
+// of consumer thread t at (v / 4) * 4 * kConsumerThreads + 4 * t + v % 4. One CTA per tile, one
+// thread per consumer thread; TiledMmaQ's partition says where each value belongs.
+template <typename Traits>
+__global__ void dq_convert_kernel(const BwdParams p) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    typename Traits::TiledMmaQ mma_q;
+    const Tensor coords = mma_q.get_thread_slice(threadIdx.x).partition_C(make_identity_tensor(typename Traits::TileQ{}));
+    const int64_t tile = (int64_t(b) * p.hq + h) * gridDim.x + m;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + tile * kBlockM * Traits::kHeadDim) + threadIdx.x;
+    Element* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+    CUTE_UNROLL
+    for (int v = 0; v < size(coords); v += 4) {
+        const float4 x = src[(v / 4) * Traits::kConsumerThreads];
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            const int r = m * kBlockM + get<0>(coords(v + j)), c = get<1>(coords(v + j));
+            if (r < p.sq && c < p.d) dq[int64_t(r) * p.dq_row_stride + c] = Element(xs[j] * p.softmax_scale);
+        }
+    }
 }
 
 }  // namespace flashmask::sm90

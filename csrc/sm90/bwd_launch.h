@@ -1,6 +1,6 @@
 // Launch layer of the SM90 backward: TMA descriptors of Q, dO, K and V over their real strides, the
-// key-block grid, then the dQ conversion. p.dq_accum must be zeroed fp32 [B, Hq, rows rounded up
-// to BlockM, head dim].
+// key-block grid, then the dQ conversion. p.dq_accum must be zeroed fp32 [B, Hq, query blocks,
+// BlockM * head dim] (each tile in the kernel's staging order, bwd_kernel.h).
 #pragma once
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
@@ -29,18 +29,22 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdo, sQ, typename Traits::TileQ{}, _1{});
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
-    using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
-    const Args args{p, tma_q, tma_do, tma_k, tma_v};
+    const auto gdk = tma_view<Element, kHeadDim>(p.dk, p.sk, p.d, p.hq, p.b, p.dk_row_stride, p.dk_head_stride,
+                                                 p.dk_batch_stride);
+    const auto gdv = tma_view<Element, kHeadDim>(p.dv, p.sk, p.d, p.hq, p.b, p.dv_row_stride, p.dv_head_stride,
+                                                 p.dv_batch_stride);
+    auto tma_dk = Traits::KVStore::make_tma(gdk);
+    auto tma_dv = Traits::KVStore::make_tma(gdv);
+    using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), decltype(tma_dk)>;
+    const Args args{p, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv};
     const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN * p.hq, 1, p.b);
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         launch_with_smem(&bwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args>, grid,
                          Traits::kNThreads, Traits::kSmemBytes, args, stream);
     });
-    const int64_t total = int64_t(p.b) * p.hq * p.sq * p.d;
-    if (total == 0) return;
-    const int rows_padded = (p.sq + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
-    constexpr int kThreads = 256;
-    dq_convert_kernel<Element, kHeadDim><<<(total + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, rows_padded);
+    if (int64_t(p.b) * p.hq * p.sq == 0) return;
+    const dim3 tiles((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
+    dq_convert_kernel<Traits><<<tiles, Traits::kConsumerThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -7,6 +7,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "sm90/tile_config.h"
+#include "sm90/tile_store.h"
 
 namespace flashmask::sm90 {
 
@@ -67,6 +68,10 @@ struct BwdTraits {
     using SmemLayoutDSt = decltype(cute::composition(
         SmemLayoutDS{}, cute::make_ordered_layout(TileST{}, cute::Step<cute::_2, cute::_1>{})));
 
+    // dK and dV leave through the Q and dO buffers (tile_store.h), free by then.
+    using KVStore = WarpgroupRowsStore<Element, kHeadDim>;
+    static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> <= cute::cosize_v<SmemLayoutQ>);
+
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
@@ -77,7 +82,8 @@ struct BwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
-        alignas(128) float dq[kBlockM * kHeadDim];  // a query block's dQ, row-major, on its way to global memory
+        alignas(128) float dq[kBlockM * kHeadDim];  // a query block's dQ on its way to global memory (bwd_kernel.h)
+        float row_stats[2][2][kBlockM];  // two buffers of a query block's LSE and D
         alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
         cutlass::arch::ClusterTransactionBarrier barrier_kv;
         typename Pipeline::SharedStorage pipeline_q;  // Q and dO of a query block travel together

@@ -22,7 +22,6 @@
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
 #include "sm90/fwd_barriers.h"
-#include "sm90/fwd_epilogue.h"
 #include "sm90/fwd_traits.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
@@ -305,11 +304,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         float lse[kRows];
         Tensor o_rc = rowcol(acc_o);
         softmax.finalize(o_rc, p.softmax_scale, lse);
-        FwdEpilogue<Traits>::store(args.tma_o, p, acc_o, mma_pv, shared.o.data(), tile.m_block, tile.h, tile.b, ctid,
-                                   buffers_barrier);
+        Traits::OutStore::template store<Traits::kBlockM>(args.tma_o, make_shape(p.sq, p.d, p.hq, p.b), acc_o, mma_pv,
+                                                          shared.o.data(), tile.m_block * kWarpgroups, tile.h, tile.b,
+                                                          ctid, buffers_barrier);
         output.write_lse(cO, lse, tile.r0, tile.r1, ctid);
     }
-    FwdEpilogue<Traits>::drain(ctid);
+    Traits::OutStore::drain(ctid);
 #endif
 }
 

@@ -27,8 +27,7 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, sKV, typename Traits::TileKV{}, _1{});
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, sKV, typename Traits::TileKV{}, _1{});
     const auto go = tma_view<Element, kHeadDim>(p.o, p.sq, p.d, p.hq, p.b, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
-    auto tma_o = make_tma_copy(SM90_TMA_STORE{}, go, typename Traits::SmemLayoutOHalf{},
-                               typename FwdEpilogue<Traits>::TileHalf{}, _1{});
+    auto tma_o = Traits::OutStore::make_tma(go);
     using Args = FwdArgs<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
     const Args args{p, tma_q, tma_k, tma_v, tma_o};
     // One CTA per SM (the shared memory allows no more), none idle.

@@ -7,6 +7,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "sm90/tile_config.h"
+#include "sm90/tile_store.h"
 
 namespace flashmask::sm90 {
 
@@ -56,13 +57,9 @@ struct FwdTraits {
         SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
                                                   cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
-    // The output, per consumer warpgroup (64 rows), as the TMA store reads it; both halves
-    // together as the (rows, head dim) tile that the accumulator partitions.
-    using SmemLayoutOHalf = decltype(cute::tile_to_shape(
-        cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::_64,
-                                                            cute::Int<kHeadDim>>(),
-        cute::Shape<cute::_64, cute::Int<kHeadDim>>{}));
-    using SmemLayoutO = decltype(cute::tile_to_shape(SmemLayoutOHalf{}, TileQ{}));
+    // The output, through one shared-memory buffer per consumer warpgroup (tile_store.h).
+    using OutStore = WarpgroupRowsStore<Element, kHeadDim>;
+    using SmemLayoutO = typename OutStore::template SmemLayout<kBlockM>;
 
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));

@@ -242,10 +242,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 CUTE_UNROLL
                 for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
             }
-            Tensor rP = convert_to<Element>(acc_s);
-            wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
-                                            tKVrdOt(_, _, _, state.index()), acc_dv);
-            warpgroup_wait<1>();  // dP^T is in; dV may still run
+            Tensor rP = make_tensor<Element>(acc_s.layout());
+            auto issue_dv = [&]() {
+                Tensor converted = convert_to<Element>(acc_s);
+                CUTE_UNROLL
+                for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
+                                                tKVrdOt(_, _, _, state.index()), acc_dv);
+            };
+            if constexpr (Traits::kEarlyDv) issue_dv();
+            warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
 
             // dS^T = P^T (dP^T - D); dK += dS^T Q.
             Tensor dpt = rowcol(acc_dp);
@@ -256,6 +262,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 CUTE_UNROLL
                 for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
             }
+            if constexpr (!Traits::kEarlyDv) issue_dv();
             Tensor rdS = convert_to<Element>(acc_dp);
             wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
                                             tKVrQt(_, _, _, state.index()), acc_dk);

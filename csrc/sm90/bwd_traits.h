@@ -19,6 +19,7 @@ struct BwdTraits {
     static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;  // keys per CTA
     static constexpr int kStages = bwd_tile(kHeadDim).stages;
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
+    static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;
     static_assert(kBlockN == 64 * kConsumerWarpgroups);

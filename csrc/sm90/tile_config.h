@@ -10,7 +10,7 @@ struct FwdTile {
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
 // on most families at 32K-128K, -10% on global + sliding window; docs/perf_notes.md, version 20).
-// FLASHMASK_SM90_FWD_WG64=2 builds the two-warpgroup pingpong instead (scripts/sweep_fwd_variants.sh).
+// FLASHMASK_SM90_FWD_WG64=2 builds the two-warpgroup pingpong instead (scripts/sweep_variants.sh).
 #ifndef FLASHMASK_SM90_FWD_WG64
 #define FLASHMASK_SM90_FWD_WG64 3
 #endif
@@ -20,12 +20,25 @@ constexpr FwdTile fwd_tile(int head_dim) {
 }
 
 // Backward: a CTA owns BlockN keys (64 per consumer warpgroup) and walks query blocks of BlockM rows,
-// whose Q and dO go through a pipeline of `stages`.
+// whose Q and dO go through a pipeline of `stages`. early_dv: dV += P^T dO is issued before dS^T is
+// computed, to run alongside; at head dim 64 issuing it with dK was 3-7% faster on every mask
+// family (docs/perf_notes.md, version 22).
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
+    bool early_dv;
 };
+#ifndef FLASHMASK_SM90_BWD_M64
+#define FLASHMASK_SM90_BWD_M64 64
+#endif
+#ifndef FLASHMASK_SM90_BWD_EARLY_DV64
+#define FLASHMASK_SM90_BWD_EARLY_DV64 false
+#endif
+#ifndef FLASHMASK_SM90_BWD_EARLY_DV128
+#define FLASHMASK_SM90_BWD_EARLY_DV128 true
+#endif
 constexpr BwdTile bwd_tile(int head_dim) {
-    return BwdTile{64, 128, 2, 2};
+    return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64}
+                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128};
 }
 
 }  // namespace flashmask::sm90

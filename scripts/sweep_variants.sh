@@ -1,15 +1,16 @@
 #!/bin/bash
 # On a GPU machine: build several compile-time variants of the kernels side by side (copies under
-# /tmp, built in parallel), then time the flashmask forward of every mask family with each.
+# /tmp, built in parallel), then time the flashmask forward (MODES=fwd) or backward (MODES=bwd) of
+# every mask family with each.
 #   VARIANTS="base= wg2=FWD_WG64=2"   name=settings: each K=V defines FLASHMASK_SM90_K as V
 #                                               on top of csrc/sm90/tile_config.h (its tuning macros)
-#   HEAD_DIM=64 DTYPE=bf16 SEQLENS=8k,32k,128k         what to build and time
+#   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k   what to build and time
 #   AFTER="command"                                    run after the timings, with V_<name> set
 #                                                       to each variant's folder (e.g. ncu)
 # Prints one line per (family, seqlen) with each variant's TFLOP/s; CSVs under $OUT/<name>/.
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}
+HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}; MODES=${MODES:-fwd}
 read -r -a VARS <<< "${VARIANTS:?VARIANTS=\"name=flags ...\"}"
 python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v "^WARNING" | tail -3
 jobs=$(( 16 / ${#VARS[@]} )); [ $jobs -lt 2 ] && jobs=2
@@ -31,7 +32,7 @@ echo "built ${#VARS[@]} variants in $(( $(date +%s) - t0 )) s"
 for v in "${VARS[@]}"; do
     name=${v%%=*}; dir=/tmp/variant_$name
     ( cd "$dir" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
-        --head-dims "$HEAD_DIM" --modes fwd --methods flashmask --quick --out "$OUT/$name" > "$OUT/bench_$name.log" 2>&1 \
+        --head-dims "$HEAD_DIM" --modes "$MODES" --methods flashmask --quick --out "$OUT/$name" > "$OUT/bench_$name.log" 2>&1 \
         || { echo "BENCH FAILED: $name"; tail -5 "$OUT/bench_$name.log"; } )
 done
 [ -n "${AFTER:-}" ] && eval "$AFTER"
@@ -45,8 +46,8 @@ for n in names:
         continue
     for r in csv.DictReader(open(path)):
         if r["status"] == "ok":
-            rows.setdefault((r["family"], int(r["seqlen"])), {})[n] = float(r["tflops"])
-print(f"{'family':24s} {'seqlen':>7s} " + " ".join(f"{n:>9s}" for n in names))
-for (f, s), d in sorted(rows.items()):
-    print(f"{f:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))
+            rows.setdefault((int(r["head_dim"]), r["family"], int(r["seqlen"])), {})[n] = float(r["tflops"])
+print(f"{'D':>3s} {'family':24s} {'seqlen':>7s} " + " ".join(f"{n:>9s}" for n in names))
+for (hd, f, s), d in sorted(rows.items()):
+    print(f"{hd:3d} {f:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))
 EOF

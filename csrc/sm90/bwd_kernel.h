@@ -7,14 +7,15 @@
 // loads each one's Q and dO by TMA into a pipeline. Two consumer warpgroups own 64 keys each:
 // S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
 // dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
-// warpgroups split by head dim and add to the fp32 dQ accumulator with vector atomics.
+// warpgroups split by head dim and hand to a second producer warp, which adds each tile to the
+// fp32 dQ accumulator with one bulk reduction. dK and dV leave by TMA store.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "common/launch_order.h"
 #include "common/cp_async.h"
+#include "common/launch_order.h"
 #include "common/params.h"
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
@@ -227,7 +228,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
             warpgroup_wait<1>();  // S^T is in; dP^T may still run
 
-            // P^T = exp(S^T scale - LSE), queries as columns; dV += P^T dO runs while dP^T lands.
+            // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs while
+            // dP^T lands and dS^T is computed.
             Tensor st = rowcol(acc_s);
             if (compare.any) {
                 mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, causal_offset,

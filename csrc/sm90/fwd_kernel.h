@@ -4,11 +4,12 @@
 // first. A producer warpgroup gives up its registers (setmaxnreg) and one of its warps walks the
 // visible key blocks of each job, loading its Q and each visible block's K and V by TMA into a
 // pipeline of mbarrier-guarded stages: a block the column intervals mask entirely is never loaded.
-// The producer runs ahead into the next job while the consumers finish and write this one. Two consumer
-// warpgroups of 64 rows each walk the same blocks (KeyBlockWalk, shared with the SM80 kernels) and
-// issue S = Q K^T and O += P V as wgmma, each block's S together with the previous block's P V and
-// the two warpgroups taking turns (pingpong); only partial blocks get the element-wise compare,
-// against their mask columns staged in shared memory.
+// The producer runs ahead into the next job while the consumers finish and write this one. Two
+// consumer warpgroups of 64 rows each (three at head dim 64) walk the same blocks (KeyBlockWalk,
+// shared with the SM80 kernels) and issue S = Q K^T and O += P V as wgmma, each block's S together
+// with the previous block's P V; two warpgroups take turns (pingpong). Only partial blocks get the
+// element-wise compare, against their mask columns staged in shared memory. The output leaves by
+// TMA store (tile_store.h).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -56,7 +57,6 @@ struct TileJob {
         return {mask.bounds, r0, r1, p.sk, p.sk - p.sq};
     }
 };
-
 
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
             auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
             auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-            // The previous job's Q stays until both consumer warpgroups have issued their last S.
+            // The previous job's Q stays until every consumer warpgroup has issued its last S.
             if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, Barriers::kQFree);
             q_loaded = true;
             if (lane == 0) {

@@ -1,8 +1,13 @@
-"""Draw the README's performance chart from a bench_kernels.py CSV, and with --per-family DIR one
-chart per mask family (every seqlen and head dim of the CSVs, one panel per mode).
+"""Draw the README's performance charts from bench_kernels.py CSVs: one chart of every mask family
+at one seqlen, a panel per (mode, head dim) with the ratio to FlexAttention over each flashmask
+bar; with --per-family DIR also one chart per mask family (every seqlen and head dim of the CSVs,
+one panel per mode). Rows of later CSVs replace those of earlier ones.
 
     python benchmarks/plot_results.py benchmarks/results_h100/kernels.csv docs/perf_h100.png \
         --extra-csv benchmarks/results_h100/kernels_d64.csv --per-family docs/perf_h100
+    python benchmarks/plot_results.py benchmarks/results_h100/kernels_sm90_fwd_v18.csv docs/perf_h100_sm90.png \
+        --extra-csv benchmarks/results_h100/kernels_sm90_fwd_v20_d64.csv \
+        --extra-csv benchmarks/results_h100/kernels_sm90_bwd_v22.csv --panels fwd:128,fwd:64,bwd:128,bwd:64
 """
 import argparse
 import csv
@@ -28,12 +33,26 @@ def read_rows(paths):
 
 
 
-def load(path):
-    rows = defaultdict(dict)  # (family, seqlen, mode) -> method -> TFLOP/s
-    for r in read_rows([path]):
+def load(paths):
+    rows = defaultdict(dict)  # (family, seqlen, mode, head dim) -> method -> TFLOP/s
+    for r in read_rows(paths):
         if r["status"] == "ok" and r["tflops"]:
-            rows[(r["family"], r["seqlen"], r["mode"])][r["method"]] = r["tflops"]
+            rows[(r["family"], r["seqlen"], r["mode"], r["head_dim"])][r["method"]] = r["tflops"]
     return rows
+
+
+MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+
+
+def parse_panels(text):
+    """'fwd:128,bwd:64' -> [("fwd", 128), ("bwd", 64)]"""
+    panels = []
+    for item in text.split(","):
+        mode, _, dim = item.partition(":")
+        if mode not in MODE_LABELS or not dim.isdigit():
+            raise ValueError(f"--panels wants mode:head_dim items with mode in {sorted(MODE_LABELS)}, got {item!r}")
+        panels.append((mode, int(dim)))
+    return panels
 
 
 def main(argv=None):
@@ -42,26 +61,35 @@ def main(argv=None):
     ap.add_argument("png")
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--extra-csv", action="append", default=[], help="more rows for the per-family charts")
+    ap.add_argument("--panels", default="fwd:128,fwdbwd:128", type=parse_panels,
+                    help="the summary chart's panels, mode:head_dim, comma-separated")
     ap.add_argument("--per-family", metavar="DIR", help="also write DIR/<family>.png")
     args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = load(args.csv)
-    families = sorted({f for f, s, _ in rows if s == args.seqlen}, key=lambda f: -rows[(f, args.seqlen, "fwd")].get("flashmask", 0))
-    fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    width = 0.8 / len(METHODS)
-    for ax, mode in zip(axes, ("fwd", "fwdbwd")):
-        for i, (key, label) in enumerate(METHODS):
-            vals = [rows.get((f, args.seqlen, mode), {}).get(key, 0.0) for f in families]
-            ax.bar([x + i * width for x in range(len(families))], vals, width, label=label)
-        ax.set_ylabel(f"{'forward' if mode == 'fwd' else 'forward+backward'}\nTFLOP/s")
+    rows = load([args.csv] + args.extra_csv)
+    mode0, dim0 = args.panels[0]
+    families = sorted({k[0] for k in rows if k[1] == args.seqlen},
+                      key=lambda f: -rows.get((f, args.seqlen, mode0, dim0), {}).get("flashmask", 0))
+    methods = [(k, label) for k, label in METHODS if any(k in d for d in rows.values())]
+    fig, axes = plt.subplots(len(args.panels), 1, figsize=(12, 2.2 + 2.4 * len(args.panels)), sharex=True, squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, (mode, dim) in zip(axes[:, 0], args.panels):
+        cells = [rows.get((f, args.seqlen, mode, dim), {}) for f in families]
+        for i, (key, label) in enumerate(methods):
+            ax.bar([x + i * width for x in range(len(families))], [c.get(key, 0.0) for c in cells], width, label=label)
+        for x, c in enumerate(cells):  # flashmask / Flex over each flashmask bar
+            if c.get("flashmask") and c.get("flex"):
+                ax.annotate(f"{c['flashmask'] / c['flex']:.2f}x", (x, c["flashmask"]), ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel(f"{MODE_LABELS[mode]}, D={dim}\nTFLOP/s")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=3, loc="upper right")
-    axes[0].set_title(f"H100, bf16, B=1, H=16, D=128, S={args.seqlen // 1024}K (FLOPs on unmasked pairs)")
-    axes[1].set_xticks([x + width for x in range(len(families))])
-    axes[1].set_xticklabels(families, rotation=30, ha="right")
+    axes[0, 0].legend(ncol=len(methods), loc="upper right")
+    axes[0, 0].set_title(f"H100, bf16, B=1, H=16, S={args.seqlen // 1024}K (FLOPs on unmasked pairs; "
+                         "label: flashmask / FlexAttention)")
+    axes[-1, 0].set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(families))])
+    axes[-1, 0].set_xticklabels(families, rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
     print(f"-> {args.png}")

@@ -244,8 +244,13 @@ def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
     # The README chart and the per-family charts, redrawn from the CSV alone.
     from benchmarks import plot_results
     plot_results.main([str(tmp_path / "kernels.csv"), str(tmp_path / "summary.png"), "--seqlen", "64",
-                       "--per-family", str(tmp_path / "from_csv")])
+                       "--panels", "fwd:16,fwdbwd:16", "--per-family", str(tmp_path / "from_csv")])
     assert (tmp_path / "summary.png").stat().st_size > 0
+    summary = plot_results.load([str(tmp_path / "kernels.csv")])
+    assert summary[("causal", 64, "fwd", 16)]["flashmask"] == pytest.approx(by[("causal", "fwd", "flashmask")]["tflops"], rel=1e-4)
+    assert plot_results.parse_panels("fwd:128,bwd:64") == [("fwd", 128), ("bwd", 64)]
+    with pytest.raises(ValueError, match="mode:head_dim"):
+        plot_results.parse_panels("forward:128")
     assert sorted(p.name for p in (tmp_path / "from_csv").iterdir()) == ["causal.png", "global_sliding_window.png"]
     parsed = plot_results.read_rows([str(tmp_path / "kernels.csv")])
     timed = {(r["family"], r["mode"], r["method"]): r["tflops"] for r in rows if r["tflops"] is not None}

@@ -1,7 +1,8 @@
-"""End to end: a packed SFT training step of a 0.5B-1B Llama-style model, per attention backend.
+"""End to end: a packed SFT training step of a 0.5B-3B Llama-style model, per attention backend.
 
 A randomly initialised transformers model (``training_examples/example_utils.build_model``; presets
-``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``tiny`` for CPU tests) trains with
+``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``3b`` = Llama-3.2-3B shape (head dim
+128), ``tiny`` for CPU tests) trains with
 AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
 exactly the context length by :class:`flashmask.data.PackedSFTCollator` (``position_ids`` restart
 at every document, label ``-100`` on every document's first token, and the causal-document mask
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                + "; ".join(f"{k}={v}" for k, v in sizes.items()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-size", default="0.5b", choices=list(sizes),
-                   help="0.5b: Qwen2-0.5B shape, 1b: Llama-3.2-1B shape, tiny/small: tests")
+                   help="0.5b: Qwen2-0.5B shape, 1b: Llama-3.2-1B shape (both head dim 64), "
+                        "3b: Llama-3.2-3B shape (head dim 128), tiny/small: tests")
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2"], help="transformers model class")
     p.add_argument("--vocab-size", type=int, default=32000, help="embedding and LM head rows (>= 320)")
     p.add_argument("--seqlens", default="8192,32768", help="context lengths (tokens per packed row); 'k' = 1024")

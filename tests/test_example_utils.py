@@ -145,3 +145,12 @@ def test_find_checkpoint_takes_the_latest(tmp_path):
     assert example_utils.find_checkpoint(str(tmp_path / "checkpoint-2")) == str(tmp_path / "checkpoint-2")
     with pytest.raises(FileNotFoundError):
         example_utils.find_checkpoint(str(tmp_path / "checkpoint-11"))
+
+
+def test_model_presets_have_the_published_shapes():
+    """(hidden, intermediate, layers, heads, KV heads): heads divide the hidden size and KV heads the
+    heads (GQA); the presets named after a model have its head dim (0.5b and 1b: 64, 3b: 128)."""
+    for name, (hidden, inter, layers, heads, kv) in example_utils.MODEL_SIZES.items():
+        assert hidden % heads == 0 and heads % kv == 0 and layers > 0 and inter > hidden, name
+    head_dim = {name: s[0] // s[3] for name, s in example_utils.MODEL_SIZES.items()}
+    assert (head_dim["0.5b"], head_dim["1b"], head_dim["3b"]) == (64, 64, 128)

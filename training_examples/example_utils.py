@@ -65,6 +65,7 @@ MODEL_SIZES = {
     "small": (256, 688, 4, 8, 2),        # ~3M
     "0.5b": (896, 4864, 24, 14, 2),      # Qwen2-0.5B shape (byte vocabulary): ~360M
     "1b": (2048, 8192, 16, 32, 8),       # Llama-3.2-1B shape (byte vocabulary): ~1B
+    "3b": (3072, 8192, 28, 24, 8),       # Llama-3.2-3B shape (byte vocabulary): ~3B, head dim 128
 }
 
 
@@ -83,7 +84,7 @@ def make_parser(doc: str, data_file: str, data_help: str, *, default_lr: float,
                    help="preset family when no --model is given (default: %(default)s)")
     m.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny",
                    help="preset size when no --model is given: tiny (CPU tests), small, 0.5b (Qwen2-0.5B "
-                        "shape), 1b (Llama-3.2-1B shape); default: tiny")
+                        "shape), 1b (Llama-3.2-1B shape), 3b (Llama-3.2-3B shape, head dim 128); default: tiny")
     m.add_argument("--sliding-window", type=int, default=None,
                    help="qwen2 preset only: a sliding-window attention of this many tokens in every layer")
     m.add_argument("--no-chat-template", action="store_true",

@@ -55,13 +55,20 @@ def parse_panels(text):
     return panels
 
 
+def _panels_arg(text):
+    try:
+        return parse_panels(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's message, a ValueError's not
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
     ap.add_argument("png")
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--extra-csv", action="append", default=[], help="more rows for the per-family charts")
-    ap.add_argument("--panels", default="fwd:128,fwdbwd:128", type=parse_panels,
+    ap.add_argument("--panels", default="fwd:128,fwdbwd:128", type=_panels_arg,
                     help="the summary chart's panels, mode:head_dim, comma-separated")
     ap.add_argument("--per-family", metavar="DIR", help="also write DIR/<family>.png")
     args = ap.parse_args(argv)
@@ -73,6 +80,8 @@ def main(argv=None):
     mode0, dim0 = args.panels[0]
     families = sorted({k[0] for k in rows if k[1] == args.seqlen},
                       key=lambda f: -rows.get((f, args.seqlen, mode0, dim0), {}).get("flashmask", 0))
+    if not families:
+        ap.error(f"no timed rows at --seqlen {args.seqlen} in {[args.csv] + args.extra_csv}")
     methods = [(k, label) for k, label in METHODS if any(k in d for d in rows.values())]
     fig, axes = plt.subplots(len(args.panels), 1, figsize=(12, 2.2 + 2.4 * len(args.panels)), sharex=True, squeeze=False)
     width = 0.8 / len(methods)

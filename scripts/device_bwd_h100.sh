@@ -1,8 +1,8 @@
 #!/bin/bash
 # One H100 call while working on the SM90 backward: build head dims 64 and 128 (sm_90a), the GPU
 # backward tests (both kernel families), then the backward of every mask family at D=64 and 128
-# (8K, 32K):
-# the SM90 kernel (FLASHMASK_ARCH=90) and FlexAttention in one run, then the SM80 kernel alone.
+# (8K, 32K): the SM90 kernel (FLASHMASK_ARCH=90) and FlexAttention in one run, then the SM80
+# kernel alone.
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=64,128 FLASHMASK_DTYPES=${FLASHMASK_DTYPES:-fp16,bf16}

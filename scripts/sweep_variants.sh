@@ -2,11 +2,11 @@
 # On a GPU machine: build several compile-time variants of the kernels side by side (copies under
 # /tmp, built in parallel), then time the flashmask forward (MODES=fwd) or backward (MODES=bwd) of
 # every mask family with each.
-#   VARIANTS="base= wg2=FWD_WG64=2"   name=settings: each K=V defines FLASHMASK_SM90_K as V
-#                                               on top of csrc/sm90/tile_config.h (its tuning macros)
-#   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k   what to build and time
-#   AFTER="command"                                    run after the timings, with V_<name> set
-#                                                       to each variant's folder (e.g. ncu)
+#   VARIANTS="base= wg2=FWD_WG64=2"  name=settings: each K=V defines FLASHMASK_SM90_K as V on top
+#                                    of csrc/sm90/tile_config.h (its tuning macros)
+#   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
+#   AFTER="command"                  run after the timings, with V_<name> set to each variant's
+#                                    folder (e.g. ncu)
 # Prints one line per (family, seqlen) with each variant's TFLOP/s; CSVs under $OUT/<name>/.
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"

@@ -251,6 +251,12 @@ def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
     assert plot_results.parse_panels("fwd:128,bwd:64") == [("fwd", 128), ("bwd", 64)]
     with pytest.raises(ValueError, match="mode:head_dim"):
         plot_results.parse_panels("forward:128")
+    capsys.readouterr()
+    for bad in (["--panels", "forward:16"], ["--seqlen", "65"]):
+        with pytest.raises(SystemExit):
+            plot_results.main([str(tmp_path / "kernels.csv"), str(tmp_path / "bad.png")] + bad)
+    err = capsys.readouterr().err
+    assert "mode:head_dim" in err and "no timed rows at --seqlen 65" in err
     assert sorted(p.name for p in (tmp_path / "from_csv").iterdir()) == ["causal.png", "global_sliding_window.png"]
     parsed = plot_results.read_rows([str(tmp_path / "kernels.csv")])
     timed = {(r["family"], r["mode"], r["method"]): r["tflops"] for r in rows if r["tflops"] is not None}

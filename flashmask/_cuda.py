@@ -98,7 +98,7 @@ def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd") -> int:
 
     slot: "fwd", "bwd" or "bwd_deterministic". A family's kernel marked slower than an older
     family's (csrc/instantiations.py, auto=False) runs only when its family is named; a slot a
-    family lacks (the SM90 deterministic backward) runs on an older one.
+    family lacks runs on an older one.
     """
     if slot not in ("fwd", "bwd", "bwd_deterministic"):
         raise ValueError(f"slot must be 'fwd', 'bwd' or 'bwd_deterministic', got {slot!r}")

@@ -171,10 +171,11 @@ def test_arch_selection():
     out, lse = flashmask.flashmask_attention(q, q, q, causal=True, return_lse=True, backend="sm80")
     assert_close_to_reference(out, lse, q, q, q, None, True)
     if 90 in _cuda.compiled_archs(cuda_cases.kernel_head_dim(d), dtype) and newest == 90:
-        # The SM90 backward runs asked for or not; the deterministic one is SM80's.
+        # The SM90 backward runs asked for or not, deterministic too (its dQ additions in key order).
         assert _cuda.selected_arch(q, 90, "bwd") == 90
         assert _cuda.selected_arch(q, 0, "bwd") == 90
-        assert _cuda.selected_arch(q, 90, "bwd_deterministic") == 80
+        assert _cuda.selected_arch(q, 0, "bwd_deterministic") == 90
+        assert _cuda.selected_arch(q, 80, "bwd_deterministic") == 80
     if "sm90" not in cuda_cases.KERNEL_BACKENDS:
         with pytest.raises(RuntimeError, match="sm90"):
             flashmask.flashmask_attention(q, q, q, causal=True, backend="sm90")

@@ -222,16 +222,23 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     set_strides(dv_h, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     p.dq = dq.data_ptr();
     set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
-    at::Tensor dq_accum;
-    if (!deterministic) {
+    // dQ: fp32 atomics into dq_accum, or (deterministic) a dQ kernel of its own (SM80), or the SM90
+    // kernel's additions taken in key block order through one semaphore per query block.
+    const bool dq_kernel = deterministic && sel.kernels->arch != 90;
+    at::Tensor dq_accum, dq_semaphore;
+    if (!dq_kernel) {
         const int block_m = sel.tiles.bwd_block_m;
-        dq_accum = at::zeros({b, hq, (sq + block_m - 1) / block_m, block_m * sel.kernels->head_dim},
-                             q.options().dtype(at::kFloat));
+        const int m_blocks = (sq + block_m - 1) / block_m;
+        dq_accum = at::zeros({b, hq, m_blocks, block_m * sel.kernels->head_dim}, q.options().dtype(at::kFloat));
         p.dq_accum = dq_accum.data_ptr<float>();
+        if (deterministic) {
+            dq_semaphore = at::zeros({b, hq, m_blocks}, q.options().dtype(at::kInt));
+            p.dq_semaphore = dq_semaphore.data_ptr<int>();
+        }
     }
     p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);
-    if (deterministic) sel.kernels->bwd_dq(p, stream);
+    if (dq_kernel) sel.kernels->bwd_dq(p, stream);
     if (expand) {
         dk.copy_(dk_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
         dv.copy_(dv_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));

@@ -31,11 +31,15 @@ TileSizes tiles_of(const KernelSet& k) {
     return {f.block_m, f.block_n, b.block_m, b.block_n};
 }
 
+// The deterministic backward: the SM80 kernels recompute dQ in a kernel of its own (bwd_dq); the
+// SM90 backward orders its dQ additions itself (BwdParams::dq_semaphore).
+bool deterministic_in_bwd_kv(const KernelSet& k) { return k.arch == 90; }
+
 bool has(const KernelSet& k, Slot slot) {
     switch (slot) {
         case Slot::fwd: return k.fwd != nullptr;
         case Slot::bwd: return k.bwd_kv != nullptr;
-        default: return k.bwd_kv != nullptr && k.bwd_dq != nullptr;
+        default: return k.bwd_kv != nullptr && (k.bwd_dq != nullptr || deterministic_in_bwd_kv(k));
     }
 }
 
@@ -46,7 +50,10 @@ bool automatic(const KernelSet& k, Slot slot) {
     switch (slot) {
         case Slot::fwd: return k.auto_slots & fwd;
         case Slot::bwd: return k.auto_slots & bwd_kv;
-        default: return (k.auto_slots & (bwd_kv | bwd_dq)) == (bwd_kv | bwd_dq);
+        default: {
+            const unsigned needed = deterministic_in_bwd_kv(k) ? bwd_kv : bwd_kv | bwd_dq;
+            return (k.auto_slots & needed) == needed;
+        }
     }
 }
 

@@ -53,6 +53,69 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
                  : "memory");
 }
 
+// Deterministic mode: the key blocks of a (batch, head) add their dQ to each query block in
+// increasing order. The query block's semaphore holds the key block whose turn it is; each key
+// block's CTA waits for its turn at every query block, whether it sees it or not, and hands the
+// turn on once its addition (if any) is complete in global memory. CTAs start in increasing key
+// block order within a head (launch_order.h), so a CTA only ever waits for one that started earlier.
+__forceinline__ __device__ void wait_turn(const int* sem, int turn) {
+    int v;
+    while (true) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+        if (v == turn) break;
+        __nanosleep(64);
+    }
+}
+__forceinline__ __device__ void pass_turn(int* sem, int next) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
+}
+
+// The dQ warp: each query block's dQ tile goes from shared memory into the fp32 accumulator by one
+// bulk reduction, off the consumers' path; with p.dq_semaphore, in key block order (above).
+template <typename Traits, typename Walk>
+__device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, int n_block, int h, int b, int m_first,
+                        int m_end, int handoff_threads) {
+    constexpr int kTile = Traits::kBlockM * Traits::kHeadDim;
+    const int lane = threadIdx.x % 32;
+    float* dq_accum = p.dq_accum + (int64_t(b) * p.hq + h) * int64_t(m_end) * kTile;
+    int* const sem = p.dq_semaphore != nullptr ? p.dq_semaphore + (int64_t(b) * p.hq + h) * m_end : nullptr;
+    // Query blocks [from, to) this key block does not see: its turn is passed on at once, 32 at a time.
+    auto pass_unseen = [&](int from, int to) {
+        for (int m = from + lane; m < to; m += 32) {
+            wait_turn(sem + m, n_block);
+            pass_turn(sem + m, n_block + 1);
+        }
+    };
+    int passed = 0;  // deterministic: the query blocks below this one have had this key block's turn
+    for (int m = m_first; m < m_end;) {
+        const int m_next = walk.visible_at_or_above(m + 1);
+        if (sem != nullptr) {
+            pass_unseen(passed, m);
+            if (lane == 0) wait_turn(sem + m, n_block);
+            passed = m + 1;
+        }
+        // The buffer is free (the last reduction has read it): the consumers may fill it.
+        cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
+        cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqFullBarrier);
+        if (lane == 0) {
+            if (sem != nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // after the acquire
+            bulk_reduce_add(dq_accum + int64_t(m) * kTile, smem_dq, kTile * int(sizeof(float)));
+            tma_store_arrive();
+            if (sem != nullptr) {
+                // Complete in global memory (not only read from shared memory) before the turn passes.
+                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+                asm volatile("fence.proxy.async.global;\n" ::: "memory");
+                pass_turn(sem + m, n_block + 1);
+            } else {
+                tma_store_wait<0>();
+            }
+        }
+        __syncwarp();
+        m = m_next;
+    }
+    if (sem != nullptr) pass_unseen(passed, m_end);
+}
+
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -95,27 +158,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
-        if (m_first >= m_end || warp > 1) return;
-        if (warp == 1) {
-            // The dQ warp: each query block's dQ tile goes from shared memory into the fp32
-            // accumulator by one bulk reduction, off the consumers' path.
-            float* dq_accum = p.dq_accum + (int64_t(b) * p.hq + h) * int64_t(m_end) * kBlockM * Traits::kHeadDim;
-            cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
-            for (int m = m_first; m < m_end;) {
-                const int m_next = walk.visible_at_or_above(m + 1);
-                cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqFullBarrier);
-                if (lane == 0) {
-                    bulk_reduce_add(dq_accum + int64_t(m) * kBlockM * Traits::kHeadDim, shared.dq,
-                                    int(sizeof(shared.dq)));
-                    tma_store_arrive();
-                    tma_store_wait<0>();
-                }
-                __syncwarp();
-                if (m_next < m_end) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
-                m = m_next;
-            }
+        if (warp == 1) {  // deterministic: also when the keys see no query
+            dq_warp<Traits>(p, walk, shared.dq, n_block, h, b, m_first, m_end, kDqHandoff);
             return;
         }
+        if (m_first >= m_end || warp > 1) return;
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));

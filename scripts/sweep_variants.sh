@@ -5,6 +5,7 @@
 #   VARIANTS="base= wg2=FWD_WG64=2"  name=settings: each K=V defines FLASHMASK_SM90_K as V on top
 #                                    of csrc/sm90/tile_config.h (its tuning macros)
 #   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
+#   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
 #                                    folder (e.g. ncu)
 # Prints one line per (family, seqlen) with each variant's TFLOP/s; CSVs under $OUT/<name>/.
@@ -32,7 +33,7 @@ echo "built ${#VARS[@]} variants in $(( $(date +%s) - t0 )) s"
 for v in "${VARS[@]}"; do
     name=${v%%=*}; dir=/tmp/variant_$name
     ( cd "$dir" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
-        --head-dims "$HEAD_DIM" --modes "$MODES" --methods flashmask --quick --out "$OUT/$name" > "$OUT/bench_$name.log" 2>&1 \
+        --head-dims "$HEAD_DIM" --modes "$MODES" --methods "${METHODS:-flashmask}" --quick --out "$OUT/$name" > "$OUT/bench_$name.log" 2>&1 \
         || { echo "BENCH FAILED: $name"; tail -5 "$OUT/bench_$name.log"; } )
 done
 [ -n "${AFTER:-}" ] && eval "$AFTER"
@@ -46,7 +47,9 @@ for n in names:
         continue
     for r in csv.DictReader(open(path)):
         if r["status"] == "ok":
-            rows.setdefault((int(r["head_dim"]), r["family"], int(r["seqlen"])), {})[n] = float(r["tflops"])
+            col = n if r["method"] == "flashmask" else f"{n}_{r['method'].removeprefix('flashmask_')}"
+            rows.setdefault((int(r["head_dim"]), r["family"], int(r["seqlen"])), {})[col] = float(r["tflops"])
+names = [c for n in names for c in (n, f"{n}_det") if any(c in d for d in rows.values())]
 print(f"{'D':>3s} {'family':24s} {'seqlen':>7s} " + " ".join(f"{n:>9s}" for n in names))
 for (hd, f, s), d in sorted(rows.items()):
     print(f"{hd:3d} {f:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))

@@ -56,8 +56,8 @@ struct BwdParams : AttnParams {
     int64_t do_batch_stride, do_row_stride, do_head_stride;
     const float* dsum;  // [B, Hq, Sq]
     float* dq_accum;    // zeroed float32 [B, Hq, query blocks, BlockM * head dim] (dq_accum.h): dS*K over key blocks
-    // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], the key block whose turn it is
-    // to add to each query block's dQ (sm90/bwd_kernel.h); nullptr otherwise.
+    // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], how many key blocks have added
+    // to each query block's dQ (they take turns: sm90/bwd_kernel.h); nullptr otherwise.
     int* dq_semaphore;
     // dK, dV [B, Sk, Hq, D]: one slice per query head (a GQA group is summed afterwards).
     void* dk;

@@ -54,10 +54,12 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 }
 
 // Deterministic mode: the key blocks of a (batch, head) add their dQ to each query block in
-// increasing order. The query block's semaphore holds the key block whose turn it is; each key
-// block's CTA waits for its turn at every query block, whether it sees it or not, and hands the
-// turn on once its addition (if any) is complete in global memory. CTAs start in increasing key
-// block order within a head (launch_order.h), so a CTA only ever waits for one that started earlier.
+// increasing order, the order their CTAs start in (launch_order.h), so that a CTA only ever waits
+// for CTAs that started before it. The query block's semaphore counts the key blocks that have had
+// their turn; each key block's CTA waits for its turn at every query block, whether it sees it or
+// not, and hands the turn on once its addition (if any) is complete in global memory. (Decreasing
+// order, which should spare causal masks a chain of waits, measured 1.3-1.6x slower on them at head
+// dim 128: docs/perf_notes.md, version 23.)
 __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
     int v;
     while (true) {
@@ -71,9 +73,11 @@ __forceinline__ __device__ void pass_turn(int* sem, int next) {
 }
 
 // The dQ warp: each query block's dQ tile goes from shared memory into the fp32 accumulator by one
-// bulk reduction, off the consumers' path; with p.dq_semaphore, in key block order (above).
+// bulk reduction, off the consumers' path; with p.dq_semaphore, in turn (above). The buffer goes
+// back to the consumers as soon as the reduction has read it, so that they wait for a late turn
+// only when their next tile is ready too.
 template <typename Traits, typename Walk>
-__device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, int n_block, int h, int b, int m_first,
+__device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, int turn, int h, int b, int m_first,
                         int m_end, int handoff_threads) {
     constexpr int kTile = Traits::kBlockM * Traits::kHeadDim;
     const int lane = threadIdx.x % 32;
@@ -82,33 +86,33 @@ __device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
     // Query blocks [from, to) this key block does not see: its turn is passed on at once, 32 at a time.
     auto pass_unseen = [&](int from, int to) {
         for (int m = from + lane; m < to; m += 32) {
-            wait_turn(sem + m, n_block);
-            pass_turn(sem + m, n_block + 1);
+            wait_turn(sem + m, turn);
+            pass_turn(sem + m, turn + 1);
         }
     };
     int passed = 0;  // deterministic: the query blocks below this one have had this key block's turn
+    if (m_first < m_end) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
     for (int m = m_first; m < m_end;) {
         const int m_next = walk.visible_at_or_above(m + 1);
-        if (sem != nullptr) {
+        if (sem != nullptr) {  // while the consumers compute this block's dQ
             pass_unseen(passed, m);
-            if (lane == 0) wait_turn(sem + m, n_block);
+            if (lane == 0) wait_turn(sem + m, turn);
             passed = m + 1;
         }
-        // The buffer is free (the last reduction has read it): the consumers may fill it.
-        cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
         cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqFullBarrier);
         if (lane == 0) {
             if (sem != nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // after the acquire
             bulk_reduce_add(dq_accum + int64_t(m) * kTile, smem_dq, kTile * int(sizeof(float)));
             tma_store_arrive();
-            if (sem != nullptr) {
-                // Complete in global memory (not only read from shared memory) before the turn passes.
-                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-                asm volatile("fence.proxy.async.global;\n" ::: "memory");
-                pass_turn(sem + m, n_block + 1);
-            } else {
-                tma_store_wait<0>();
-            }
+            tma_store_wait<0>();  // read out of shared memory
+        }
+        __syncwarp();
+        if (m_next < m_end) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
+        if (sem != nullptr && lane == 0) {
+            // Complete in global memory (not only read from shared memory) before the turn passes.
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            asm volatile("fence.proxy.async.global;\n" ::: "memory");
+            pass_turn(sem + m, turn + 1);
         }
         __syncwarp();
         m = m_next;
@@ -159,7 +163,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
         if (warp == 1) {  // deterministic: also when the keys see no query
-            dq_warp<Traits>(p, walk, shared.dq, n_block, h, b, m_first, m_end, kDqHandoff);
+            dq_warp<Traits>(p, walk, shared.dq, /*turn=*/n_block, h, b, m_first, m_end, kDqHandoff);
             return;
         }
         if (m_first >= m_end || warp > 1) return;

@@ -103,6 +103,24 @@ def test_out_of_range_values_are_clamped_semantics(dtype):
     assert_close_to_reference(out, lse, q, k, v, mask, False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rising", [True, False])
+@pytest.mark.parametrize("causal,c", [(True, None), (False, 2), (True, 1)])
+def test_row_max_moving_across_key_blocks(dtype, rising, causal, c):
+    """Keys scaled by a ramp over their positions: each row's running max grows block after block,
+    by small and by large factors (around 2^7 a block), in both walk directions, with the rows of one warp
+    moving at different blocks: the online softmax's rescaling of O and of the row sums."""
+    sq, sk, d = 700, 1500, HEAD_DIMS[0]
+    q, k, v = make_qkv(1, sq, sk, 4, 2, d, dtype)
+    ramp = torch.linspace(1.0, 12.0, sk, device="cuda")
+    ramp = ramp if rising else ramp.flip(0)
+    k = (k.float() * ramp[None, :, None, None]).to(dtype)
+    q = (q.float() * torch.rand(1, sq, 4, 1, device="cuda") * 2).to(dtype)
+    mask = None if c is None else random_startend(1, 2, sq, sk, causal, c, device="cuda")
+    out, lse = run_kernel(q, k, v, mask, causal)
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)
+
+
 def test_softmax_scale_and_determinism():
     dtype = DTYPES[0]
     q, k, v = make_qkv(1, 600, 600, 2, 2, HEAD_DIMS[0], dtype)

@@ -59,13 +59,17 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 
 }  // namespace
 
+// Which job list a launch takes from the mask cache (MaskMeta::jobs).
+enum class Jobs { none, query_tiles, key_blocks };
+
 // Fills the fields shared by forward and backward; takes the mask bounds for key blocks of block_n
-// columns and, when block_m > 0 (the forward), the order of its query tiles from the mask cache
-// (mask_cache.h; `meta` keeps them alive through the call), and with `persistent` the job list of a
-// persistent forward.
+// columns and, for the forward (query tiles of block_m rows), the order of its query tiles from the
+// mask cache (mask_cache.h; `meta` keeps them alive through the call), and the job list `jobs`: the
+// persistent forward's query tiles, or the SM90 backward's key blocks (walking query blocks of
+// block_m rows).
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_m,
-                 int block_n, bool persistent, MaskMeta& meta, cudaStream_t stream) {
+                 int block_n, Jobs jobs, MaskMeta& meta, cudaStream_t stream) {
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
     const int sk = k.size(1), hk = k.size(2);
     p.q = q.data_ptr();
@@ -89,11 +93,12 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
     TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
                 causal ? "True" : "False");
-    meta = mask_metadata(mask, causal, sq, block_m, block_n, persistent ? hq : 0, stream);
+    meta = mask_metadata(mask, causal, sq, block_m, block_n, jobs == Jobs::none ? 0 : hq, jobs == Jobs::key_blocks,
+                         stream);
     p.mask = meta.mask.data_ptr<int>();
     p.bounds = meta.bounds.data_ptr<int>();
-    p.tile_order = block_m > 0 ? meta.order.data_ptr<int>() : nullptr;
-    p.job_list = persistent ? meta.jobs.data_ptr<int>() : nullptr;
+    p.tile_order = meta.order.defined() ? meta.order.data_ptr<int>() : nullptr;
+    p.job_list = jobs != Jobs::none ? meta.jobs.data_ptr<int>() : nullptr;
     p.mask_c = c;
     p.hm = hm;
     p.q_per_mask_head = hq / hm;
@@ -132,7 +137,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     // The SM90 forward is persistent: its CTAs draw jobs from a counter.
     const bool persistent = sel.kernels->arch == 90;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_m, sel.tiles.fwd_block_n,
-                persistent, meta, stream);
+                persistent ? Jobs::query_tiles : Jobs::none, meta, stream);
     at::Tensor job_counter;
     if (persistent) {
         job_counter = at::zeros({1}, q.options().dtype(at::kInt));
@@ -198,8 +203,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, /*block_m=*/0, sel.tiles.bwd_block_n,
-                /*persistent=*/false, meta, stream);
+    // The SM90 backward starts its key blocks in the order of a job list (heaviest first, few heads
+    // in flight); its deterministic mode keeps the launch order, which its dQ turns follow.
+    const bool key_jobs = sel.kernels->arch == 90 && !deterministic;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, key_jobs ? sel.tiles.bwd_block_m : 0,
+                sel.tiles.bwd_block_n, key_jobs ? Jobs::key_blocks : Jobs::none, meta, stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();

@@ -25,7 +25,9 @@ inline int choose_num_splits(int ctas, int n_key_blocks) {
 // at most half of L2 (H100, full attention at 128K: forward 302 -> 336 TFLOP/s, backward 283 ->
 // 338). A mask makes some jobs far heavier (global tokens, long documents); only interleaving all
 // heads starts the heaviest of every head first (global + sliding window at 32K lost a third with
-// one head at a time). FLASHMASK_HEAD_GROUP overrides the choice (tuning and tests).
+// one head at a time). The SM90 kernels with a mask start their jobs in the order of the mask's job
+// list instead (MaskMeta::jobs: heaviest first, then head by head), except the deterministic
+// backward. FLASHMASK_HEAD_GROUP overrides the choice (tuning and tests).
 inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     if (const char* env = std::getenv("FLASHMASK_HEAD_GROUP")) {
         int g = std::max(1, std::min(hq, std::atoi(env)));

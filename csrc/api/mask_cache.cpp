@@ -61,7 +61,7 @@ struct Entry {
     at::Tensor copy;  // the contiguous copy of a strided mask; undefined when the mask was contiguous
     std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
     std::vector<std::pair<std::pair<int, int>, at::Tensor>> orders;  // by (block_m, block_n)
-    std::vector<std::pair<std::tuple<int, int, int>, at::Tensor>> jobs;  // by (block_m, block_n, hq)
+    std::vector<std::pair<std::tuple<int, int, int, bool>, at::Tensor>> jobs;  // by (block_m, block_n, hq, key_blocks)
 };
 
 struct Cache {
@@ -109,13 +109,15 @@ at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block
     return bounds;
 }
 
-at::Tensor compute_work(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m, int block_n,
+// Per query tile of block_m rows, the key blocks it visits (the forward); or with key_blocks, per
+// key block, the query blocks of block_m rows that see it (the backward).
+at::Tensor compute_work(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m, int block_n, bool key_blocks,
                         cudaStream_t stream) {
     const int batch_heads = bounds.size(0) * bounds.size(1);
-    const int m_tiles = (sq + block_m - 1) / block_m;
-    at::Tensor work = at::empty({batch_heads, m_tiles}, bounds.options());
-    launch_tile_work(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads, bounds.size(2), m_tiles, block_m,
-                     block_n, sq, sk, causal, stream);
+    const int n_blocks = bounds.size(2), m_tiles = (sq + block_m - 1) / block_m;
+    at::Tensor work = at::empty({batch_heads, key_blocks ? n_blocks : m_tiles}, bounds.options());
+    (key_blocks ? launch_key_block_work : launch_tile_work)(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads,
+                                                            n_blocks, m_tiles, block_m, block_n, sq, sk, causal, stream);
     return work;
 }
 
@@ -126,8 +128,9 @@ at::Tensor compute_order(const at::Tensor& work) {
 }
 
 // MaskMeta::jobs. Buckets rather than a strict order: full attention has one bucket, taken head
-// by head, where interleaving all heads would stream every head's K and V through L2 at once
-// (16 heads at 32K: 256 MiB); the heavy tiles of every head (global tokens) still start first.
+// by head, where interleaving all heads would stream every head's K and V (or Q and dO) through L2
+// at once (16 heads at 32K: 256 MiB); the heavy tiles of every head (global tokens) still start
+// first.
 at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
     const int hm = work.size(0) / batch, m_tiles = work.size(1);
     const at::Tensor per_head =
@@ -141,7 +144,7 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
 
 // Fills what `m` lacks; returns whether anything was computed.
 bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
-              cudaStream_t stream) {
+              bool key_blocks, cudaStream_t stream) {
     bool computed = false;
     if (!m.mask.defined()) m.mask = user_mask.contiguous();
     if (!m.bounds.defined()) {
@@ -149,9 +152,10 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
         computed = true;
     }
     const bool want_jobs = block_m > 0 && jobs_hq > 0 && !m.jobs.defined();
-    if (block_m > 0 && (!m.order.defined() || want_jobs)) {
-        const at::Tensor work = compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, stream);
-        if (!m.order.defined()) m.order = compute_order(work);
+    const bool want_order = block_m > 0 && !key_blocks && !m.order.defined();
+    if (want_order || want_jobs) {
+        const at::Tensor work = compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_blocks, stream);
+        if (want_order) m.order = compute_order(work);
         if (want_jobs) m.jobs = compute_jobs(work, m.mask.size(0), jobs_hq);
         computed = true;
     }
@@ -161,13 +165,14 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
 }  // namespace
 
 MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
-                       cudaStream_t stream) {
-    const auto jobs_key = std::make_tuple(block_m, block_n, jobs_hq);
+                       bool key_blocks, cudaStream_t stream) {
+    const auto jobs_key = std::make_tuple(block_m, block_n, jobs_hq, key_blocks);
+    const bool want_order = block_m > 0 && !key_blocks;
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.
     if (cache_disabled_by_env() || !impl->version_counter().enabled() || capturing(stream)) {
-        complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, stream);
+        complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, key_blocks, stream);
         return m;
     }
     Key key{impl,
@@ -193,7 +198,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
                 c.lru.splice(c.lru.begin(), c.lru, it);
                 m.mask = it->copy.defined() ? it->copy : user_mask;
                 m.bounds = find(it->bounds, block_n);
-                if (block_m > 0) m.order = find(it->orders, std::make_pair(block_m, block_n));
+                if (want_order) m.order = find(it->orders, std::make_pair(block_m, block_n));
                 if (block_m > 0 && jobs_hq > 0) m.jobs = find(it->jobs, jobs_key);
             }
             it = next;
@@ -201,7 +206,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     }
     // Computed outside the lock: ATen may call back into Python (dispatch modes, memory-history
     // hooks), which needs the GIL that a caller waiting on this lock could hold.
-    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, stream);
+    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, key_blocks, stream);
     std::lock_guard<std::mutex> lock(c.mu);
     if (!computed) {
         ++c.hits;
@@ -222,7 +227,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
         while (c.lru.size() > kCapacity) dropped.splice(dropped.end(), c.lru, std::prev(c.lru.end()));
     }
     if (!find(it->bounds, block_n).defined()) it->bounds.emplace_back(block_n, m.bounds);
-    if (block_m > 0 && !find(it->orders, std::make_pair(block_m, block_n)).defined()) {
+    if (want_order && !find(it->orders, std::make_pair(block_m, block_n)).defined()) {
         it->orders.emplace_back(std::make_pair(block_m, block_n), m.order);
     }
     if (block_m > 0 && jobs_hq > 0 && !find(it->jobs, jobs_key).defined()) it->jobs.emplace_back(jobs_key, m.jobs);

@@ -15,22 +15,24 @@ struct MaskMeta {
     at::Tensor mask;    // contiguous int32 [B, Hm, Sk, C]
     at::Tensor bounds;  // [B, Hm, ceil(Sk / block_n), kNumBounds]: per-key-block min/max (mask/bounds.h)
     at::Tensor order;   // int32 [B * Hm, ceil(Sq / block_m)]: query tiles longest first; only if block_m > 0
-    // Persistent kernels' job list, int32 [B * Hq * m_tiles] of (b * Hq + h) * m_tiles + m_block: every
-    // (query tile, head, batch) job, heaviest work first in buckets within a factor sqrt(2) of each other,
-    // and within a bucket by batch, head and decreasing work, so that CTAs in flight together share
-    // few heads (their K and V stay in L2). Only if block_m > 0 and jobs_hq > 0.
+    // A job list, int32 [B * Hq * tiles] of (b * Hq + h) * tiles + tile: every (tile, head, batch) job,
+    // heaviest work first in buckets within a factor sqrt(2) of each other, and within a bucket by
+    // batch, head and decreasing work, so that CTAs in flight together share few heads (what they
+    // stream stays in L2). The tiles are the forward's query tiles (the persistent forward draws jobs
+    // in this order) or, with key_blocks, the backward's key blocks (its launch order), weighed by
+    // the query blocks of block_m rows that see them. Only if block_m > 0 and jobs_hq > 0.
     at::Tensor jobs;
 };
 
 // The metadata of `user_mask` (int32 [B, Hm, Sk, C], already checked) for key blocks of block_n
-// columns and, when block_m > 0, the forward's tile order for query tiles of block_m rows and, when
-// jobs_hq > 0 too, the job list for jobs_hq query heads. Taken
+// columns and, when block_m > 0, the forward's tile order for query tiles of block_m rows (not with
+// key_blocks) and, when jobs_hq > 0 too, the job list for jobs_hq query heads. Taken
 // from the cache when the same tensor, unchanged, was seen with the same shapes on this stream;
 // computed on `stream` (the current stream) otherwise. The cache is skipped while the stream
 // captures a CUDA graph, for inference tensors (no version counter) and when the environment
 // variable FLASHMASK_MASK_CACHE is 0.
 MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
-                       cudaStream_t stream);
+                       bool key_blocks, cudaStream_t stream);
 
 // (hits, misses) since the last clear; calls that skip the cache count as neither.
 std::pair<int64_t, int64_t> mask_cache_stats();

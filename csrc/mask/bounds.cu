@@ -66,7 +66,39 @@ __global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict
     if (lane == 0) work[warp] = count;
 }
 
+// One warp per key block: the number of query blocks of block_m rows that see any of its keys
+// (what the backward's walk visits).
+__global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int total_blocks,
+                                      int n_blocks, int m_blocks, int block_m, int block_n, int sq, int sk, bool causal) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= total_blocks) return;
+    const int c0 = (warp % n_blocks) * block_n;
+    int m_begin = 0;
+    if (causal) {
+        const int first_row = c0 - (sk - sq);  // the first row that sees key c0
+        m_begin = first_row <= 0 ? 0 : min(first_row / block_m, m_blocks);
+    }
+    const int* b = bounds + int64_t(warp) * kNumBounds;
+    int count = 0;
+    for (int m = m_begin + lane; m < m_blocks; m += 32) {
+        count += !classify_tile(b, m * block_m, min(m * block_m + block_m, sq)).fully_masked;
+    }
+    for (int s = 16; s > 0; s /= 2) count += __shfl_xor_sync(0xffffffffu, count, s);
+    if (lane == 0) work[warp] = count;
+}
+
 }  // namespace
+
+void launch_key_block_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_blocks, int block_m,
+                           int block_n, int sq, int sk, bool causal, cudaStream_t stream) {
+    const int total = batch_heads * n_blocks;
+    if (total == 0) return;
+    constexpr int kThreads = 256;
+    key_block_work_kernel<<<(total * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        bounds, work, total, n_blocks, m_blocks, block_m, block_n, sq, sk, causal);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
                       int block_n, int sq, int sk, bool causal, cudaStream_t stream) {

@@ -1,6 +1,6 @@
 // Host entry points of the mask preprocessing kernels: per-key-block bounds (8 numbers per block,
-// O(Sk / BlockN)) and per-query-tile work, computed once per mask and tile width (the binding
-// caches them: api/mask_cache.h).
+// O(Sk / BlockN)) and per-query-tile or per-key-block work, computed once per mask and tile shape
+// (the binding caches them: api/mask_cache.h).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -15,5 +15,9 @@ void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, i
 // work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits.
 void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
                       int block_n, int sq, int sk, bool causal, cudaStream_t stream);
+
+// work [B * Hm, n_blocks] <- the number of query blocks of block_m rows that see each key block.
+void launch_key_block_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_blocks, int block_m,
+                           int block_n, int sq, int sk, bool causal, cudaStream_t stream);
 
 }  // namespace flashmask

@@ -1,7 +1,9 @@
 // Hopper backward with FlashMask skipping: key/value-stationary, TMA loads, wgmma, warp
 // specialisation.
 //
-// One CTA per (key block of 128, query head, batch). The producer warpgroup gives its registers
+// One CTA per (key block of 128, query head, batch), started in the order of the mask's job list
+// (heaviest key blocks first, few heads in flight: MaskMeta::jobs) or, without a mask and in
+// deterministic mode, of job_and_head. The producer warpgroup gives its registers
 // away; one warp loads K and V once, then walks the query blocks that can see these keys
 // (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully masked runs) and
 // loads each one's Q and dO by TMA into a pipeline. Two consumer warpgroups own 64 keys each:
@@ -138,8 +140,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int lane = threadIdx.x % 32;
 
     const int n_blocks = gridDim.x / p.hq;
-    const JobHead job = job_and_head(blockIdx.x, n_blocks, p.head_group);
-    const int n_block = job.job, h = job.head, b = blockIdx.z;
+    int n_block, h, b;
+    if (p.job_list != nullptr) {  // with a mask: the CTAs take the job list in launch order
+        const int j = p.job_list[blockIdx.z * gridDim.x + blockIdx.x];
+        const int bh = j / n_blocks;
+        n_block = j - bh * n_blocks, h = bh % p.hq, b = bh / p.hq;
+    } else {
+        const JobHead job = job_and_head(blockIdx.x, n_blocks, p.head_group);
+        n_block = job.job, h = job.head, b = blockIdx.z;
+    }
     const int kv_h = h / p.q_per_kv_head;
     const int c0 = n_block * kBlockN;
     const int m_end = (p.sq + kBlockM - 1) / kBlockM;

@@ -116,8 +116,8 @@ at::Tensor compute_work(const at::Tensor& bounds, bool causal, int sq, int sk, i
     const int batch_heads = bounds.size(0) * bounds.size(1);
     const int n_blocks = bounds.size(2), m_tiles = (sq + block_m - 1) / block_m;
     at::Tensor work = at::empty({batch_heads, key_blocks ? n_blocks : m_tiles}, bounds.options());
-    (key_blocks ? launch_key_block_work : launch_tile_work)(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads,
-                                                            n_blocks, m_tiles, block_m, block_n, sq, sk, causal, stream);
+    launch_work(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads, n_blocks, m_tiles, block_m, block_n, sq, sk,
+                causal, key_blocks, stream);
     return work;
 }
 

@@ -90,22 +90,13 @@ __global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __res
 
 }  // namespace
 
-void launch_key_block_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_blocks, int block_m,
-                           int block_n, int sq, int sk, bool causal, cudaStream_t stream) {
-    const int total = batch_heads * n_blocks;
+void launch_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m, int block_n,
+                 int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream) {
+    const int total = batch_heads * (key_blocks ? n_blocks : m_tiles);  // one warp each
     if (total == 0) return;
     constexpr int kThreads = 256;
-    key_block_work_kernel<<<(total * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        bounds, work, total, n_blocks, m_blocks, block_m, block_n, sq, sk, causal);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
-                      int block_n, int sq, int sk, bool causal, cudaStream_t stream) {
-    const int total = batch_heads * m_tiles;
-    if (total == 0) return;
-    constexpr int kThreads = 256;
-    tile_work_kernel<<<(total * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+    const int grid = (total * 32 + kThreads - 1) / kThreads;
+    (key_blocks ? key_block_work_kernel : tile_work_kernel)<<<grid, kThreads, 0, stream>>>(
         bounds, work, total, n_blocks, m_tiles, block_m, block_n, sq, sk, causal);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -12,12 +12,10 @@ namespace flashmask {
 void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
                         int block_n, cudaStream_t stream);
 
-// work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits.
-void launch_tile_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m,
-                      int block_n, int sq, int sk, bool causal, cudaStream_t stream);
-
-// work [B * Hm, n_blocks] <- the number of query blocks of block_m rows that see each key block.
-void launch_key_block_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_blocks, int block_m,
-                           int block_n, int sq, int sk, bool causal, cudaStream_t stream);
+// work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits; with
+// key_blocks, work [B * Hm, n_blocks] <- the number of query blocks of block_m rows that see each
+// key block.
+void launch_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m, int block_n,
+                 int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream);
 
 }  // namespace flashmask

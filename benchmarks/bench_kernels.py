@@ -57,9 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="folder for kernels.csv / kernels.json (and plots/); default benchmarks/results/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (warmup 10 ms, rep 30 ms)")
-    p.add_argument("--warmup", type=float, default=None, help="do_bench warmup in ms (default 25, --quick 10)")
-    p.add_argument("--rep", type=float, default=None, help="do_bench repetition time in ms (default 100, --quick 30)")
+    common.add_timing_args(p)
     p.add_argument("--force", action="store_true",
                    help="time flashmask backward even without a backward kernel (slow reference path)")
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
@@ -84,10 +82,7 @@ def parse_args(argv=None):
         args.methods = common.parse_choice_list(args.methods, ALL_METHODS, "methods")
     except ValueError as e:
         parser.error(str(e))
-    if args.warmup is None:
-        args.warmup = 10.0 if args.quick else 25.0
-    if args.rep is None:
-        args.rep = 30.0 if args.quick else 100.0
+    common.resolve_timing(args)
     if args.out is None:
         args.out = common.default_out_dir("kernels")
     return args

@@ -47,9 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward tile BMxBN for the tile density (default: the kernel's for the head dim, e.g. 128x64)")
     p.add_argument("--out", default=None, help="folder for scaling.csv / scaling.json; default benchmarks/results/scaling")
     p.add_argument("--plot", action="store_true", help="write OUT/scaling.png (ms and ms/density vs documents)")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (warmup 10 ms, rep 30 ms)")
-    p.add_argument("--warmup", type=float, default=None, help="do_bench warmup in ms (default 25, --quick 10)")
-    p.add_argument("--rep", type=float, default=None, help="do_bench repetition time in ms (default 100, --quick 30)")
+    common.add_timing_args(p)
     p.add_argument("--force", action="store_true", help="time flashmask backward even without a backward kernel")
     p.add_argument("--seed", type=int, default=0)
     common.add_testing_args(p)
@@ -71,10 +69,7 @@ def parse_args(argv=None):
             raise ValueError(f"more documents than tokens: {args.docs} for S={args.seqlen}")
     except ValueError as e:
         parser.error(str(e))
-    if args.warmup is None:
-        args.warmup = 10.0 if args.quick else 25.0
-    if args.rep is None:
-        args.rep = 30.0 if args.quick else 100.0
+    common.resolve_timing(args)
     if args.out is None:
         args.out = common.default_out_dir("scaling")
     return args

@@ -220,6 +220,20 @@ def bwd_tile(head_dim: int) -> Tuple[int, int]:
     return (64, 128) if head_dim <= 128 else (64, 64)
 
 
+def add_timing_args(p) -> None:
+    """--quick / --warmup / --rep of the do_bench timings; resolve_timing fills the defaults."""
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (warmup 10 ms, rep 30 ms)")
+    p.add_argument("--warmup", type=float, default=None, help="do_bench warmup in ms (default 25, --quick 10)")
+    p.add_argument("--rep", type=float, default=None, help="do_bench repetition time in ms (default 100, --quick 30)")
+
+
+def resolve_timing(args) -> None:
+    if args.warmup is None:
+        args.warmup = 10.0 if args.quick else 25.0
+    if args.rep is None:
+        args.rep = 30.0 if args.quick else 100.0
+
+
 def add_testing_args(p, device_help: str = "torch device (cpu only for smoke tests)") -> None:
     """The options that let the CPU smoke tests run a benchmark script without CUDA."""
     g = p.add_argument_group("testing options")

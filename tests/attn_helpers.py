@@ -167,3 +167,19 @@ def naive_attention(q, k, v, allowed, scale=None):
     lse = torch.logsumexp(safe, dim=-1)
     lse = torch.where(empty.expand_as(lse), torch.full_like(lse, float("inf")), lse)
     return out, lse
+
+
+# Tolerance of float64 comparisons against the oracle.
+TIGHT = dict(atol=1e-10, rtol=1e-10)
+
+
+def check_matches(out, lse, ref_out, ref_lse, **tol):
+    """out/lse against an oracle's (float64), TIGHT unless given; rows no key may attend must have
+    exactly +inf LSE and exactly zero output, whatever the tolerance."""
+    tol = tol or TIGHT
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isposinf(lse), empty), "LSE +inf exactly on the rows no key may attend"
+    assert (out.transpose(1, 2)[empty] == 0).all(), "out must be exactly 0 on rows no key may attend"
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)

@@ -13,27 +13,16 @@ from hypothesis import strategies as st
 
 import flashmask
 import masks
-from attn_helpers import dense_from_intervals, dense_window, naive_attention, random_startend
+from attn_helpers import TIGHT, check_matches, dense_from_intervals, dense_window, naive_attention, random_startend
 from flashmask import flashmask_attention, reference_attention
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
-TIGHT = dict(atol=1e-10, rtol=1e-10)
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _qkv(b=1, sq=8, sk=8, hq=2, hk=1, d=4, dtype=torch.float64, requires_grad=False):
     ts = [torch.randn(b, s, h, d, dtype=torch.float64).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk))]
     return [t.requires_grad_(requires_grad) for t in ts]
-
-
-def _check_matches(out, lse, ref_out, ref_lse, **tol):
-    tol = tol or TIGHT
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isposinf(lse), empty), "LSE +inf exactly on the rows no key may attend"
-    assert (out.transpose(1, 2)[empty] == 0).all(), "out must be exactly 0 on rows no key may attend"
-    torch.testing.assert_close(out.double(), ref_out, **tol)
-    torch.testing.assert_close(lse.double(), ref_lse, **tol)
 
 
 # --- backends -----------------------------------------------------------------------------------
@@ -49,8 +38,8 @@ def test_cpu_matches_reference_and_oracle(mode, b, heads, sq, sk, backend, data)
     q, k, v = _qkv(b, sq, sk, hq, hk, 8)
     out, lse = flashmask_attention(q, k, v, se, causal=causal, return_lse=True, backend=backend, validate=True)
     ref = reference_attention(q, k, v, se, causal=causal)
-    _check_matches(out, lse, *ref, atol=0, rtol=0)
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk)))
+    check_matches(out, lse, *ref, atol=0, rtol=0)
+    check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk)))
 
 
 def test_cpu_auto_does_not_warn():
@@ -150,9 +139,9 @@ def test_softmax_scale_default_is_inverse_sqrt_d():
     q = q * 3  # make the scale matter
     default = flashmask_attention(q, k, v, causal=True, return_lse=True)
     explicit = flashmask_attention(q, k, v, causal=True, return_lse=True, softmax_scale=1 / math.sqrt(d))
-    _check_matches(*default, *explicit, atol=0, rtol=0)
+    check_matches(*default, *explicit, atol=0, rtol=0)
     allowed = dense_from_intervals(None, True, 6, 6)
-    _check_matches(*default, *naive_attention(q, k, v, allowed, 1 / math.sqrt(d)))
+    check_matches(*default, *naive_attention(q, k, v, allowed, 1 / math.sqrt(d)))
     other = flashmask_attention(q, k, v, causal=True, softmax_scale=1.0)
     assert not torch.allclose(other, default[0])
     torch.testing.assert_close(other, naive_attention(q, k, v, allowed, 1.0)[0], **TIGHT)
@@ -179,8 +168,8 @@ def test_transposed_bhsd_views(causal, c):
     out, lse = flashmask_attention(q, k, v, se, causal=causal, return_lse=True)
     qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
     out_c, lse_c = flashmask_attention(qc, kc, vc, se, causal=causal, return_lse=True)
-    _check_matches(out, lse, out_c.detach(), lse_c.detach(), atol=1e-12, rtol=1e-12)
-    _check_matches(out, lse, *naive_attention(qc, kc, vc, dense_from_intervals(se, causal, sq, sk)))
+    check_matches(out, lse, out_c.detach(), lse_c.detach(), atol=1e-12, rtol=1e-12)
+    check_matches(out, lse, *naive_attention(qc, kc, vc, dense_from_intervals(se, causal, sq, sk)))
     g = torch.randn_like(out_c)
     (out * g).sum().backward()
     (out_c * g).sum().backward()
@@ -207,7 +196,7 @@ def test_window_size_matches_dense_definition(sq, sk, left, right, causal, heads
     hq, hk = heads
     q, k, v = _qkv(2, sq, sk, hq, hk, 4)
     out, lse = flashmask_attention(q, k, v, causal=causal, window_size=(left, right), return_lse=True)
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_window(sq, sk, (left, right), causal)))
+    check_matches(out, lse, *naive_attention(q, k, v, dense_window(sq, sk, (left, right), causal)))
 
 
 def test_window_size_unbounded_is_no_window():
@@ -215,7 +204,7 @@ def test_window_size_unbounded_is_no_window():
     for causal in (True, False):
         a = flashmask_attention(q, k, v, causal=causal, window_size=(-1, -1), return_lse=True)
         b = flashmask_attention(q, k, v, causal=causal, return_lse=True)
-        _check_matches(*a, *b, atol=0, rtol=0)
+        check_matches(*a, *b, atol=0, rtol=0)
 
 
 @settings(max_examples=30, **HYP)
@@ -228,7 +217,7 @@ def test_window_size_merged_with_document_masks(s, left, right, causal, data):
     q, k, v = _qkv(2, s, s, 2, 1, 4)
     out, lse = flashmask_attention(q, k, v, se, causal=causal, window_size=(left, right), return_lse=True)
     allowed = dense_from_intervals(se, causal, s, s) & dense_window(s, s, (left, right), causal)
-    _check_matches(out, lse, *naive_attention(q, k, v, allowed))
+    check_matches(out, lse, *naive_attention(q, k, v, allowed))
 
 
 @settings(max_examples=40, **HYP)
@@ -247,7 +236,7 @@ def test_window_size_merged_with_random_masks(mode, sq, sk, left, right, hm):
         assert "window" in str(e), str(e)
         return
     allowed = dense_from_intervals(se, causal, sq, sk) & dense_window(sq, sk, (left, right), causal)
-    _check_matches(out, lse, *naive_attention(q, k, v, allowed))
+    check_matches(out, lse, *naive_attention(q, k, v, allowed))
 
 
 @pytest.mark.parametrize("window", [(-2, 0), (0, -3), (1,), (1, 2, 3), (1.5, 0), "ab"])
@@ -389,7 +378,7 @@ def test_out_of_range_values_without_validate_act_as_clamped(c, causal):
     assert (wild < 0).any() or (wild > sq).any()
     q, k, v = _qkv(2, sq, sk, 4, 2, 8)
     out, lse = flashmask_attention(q, k, v, wild, causal=causal, return_lse=True)
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk)))
+    check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk)))
     with pytest.raises(ValueError, match="values must lie in"):
         flashmask_attention(q, k, v, wild, causal=causal, validate=True)
 

@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import masks
-from attn_helpers import dense_from_intervals, dense_from_mask_mod, naive_attention, random_startend
+from attn_helpers import (TIGHT, check_matches, dense_from_intervals, dense_from_mask_mod, naive_attention,
+                          random_startend)
 from flashmask.reference import reference_attention
 from masks.examples import example
 
 FAMILIES = list(masks.FAMILIES)
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
-TIGHT = dict(atol=1e-10, rtol=1e-10)
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -33,17 +33,6 @@ def _qkv(b, sq, sk, hq, hk, d, dtype=torch.float64, generator=None, requires_gra
         for t in (q, k, v):
             t.requires_grad_()
     return q, k, v
-
-
-def _check_matches(out, lse, ref_out, ref_lse, **tol):
-    tol = tol or TIGHT
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    empty = torch.isinf(ref_lse)
-    # Rows that no key may attend: exactly +inf LSE and exactly zero output, whatever the tolerance.
-    assert torch.equal(torch.isposinf(lse), empty), "LSE +inf exactly on the rows no key may attend"
-    assert (out.transpose(1, 2)[empty] == 0).all(), "out must be exactly 0 on rows no key may attend"
-    torch.testing.assert_close(out.double(), ref_out, **tol)
-    torch.testing.assert_close(lse.double(), ref_lse, **tol)
 
 
 # --- the oracle itself --------------------------------------------------------------------------
@@ -162,7 +151,7 @@ def test_every_family_matches_naive_oracle(family, data):
     q, k, v = _qkv(bsz, s, s, hq, hk, d)
     out, lse = reference_attention(q, k, v, se, causal=mod.CAUSAL, softmax_scale=scale)
     assert out.dtype == torch.float64 and out.shape == (bsz, s, hq, d) and lse.shape == (bsz, hq, s)
-    _check_matches(out, lse, *naive_attention(q, k, v, allowed, scale))
+    check_matches(out, lse, *naive_attention(q, k, v, allowed, scale))
 
 
 @pytest.mark.parametrize("s", [37, 64, 129])
@@ -173,7 +162,7 @@ def test_family_examples_match_naive_oracle(family, s):
     assert causal == masks.FAMILIES[family].CAUSAL
     q, k, v = _qkv(2, s, s, 4, 2, 8)
     out, lse = reference_attention(q, k, v, se, causal=causal)
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, s, s)))
+    check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, s, s)))
 
 
 # --- random masks of every mode, GQA, mask heads, Sq != Sk ------------------------------------
@@ -202,7 +191,7 @@ def test_random_masks_match_naive_oracle(case):
     q, k, v = _qkv(b, sq, sk, hq, hk, d, generator=g)
     out, lse = reference_attention(q, k, v, se, causal=causal, softmax_scale=scale)
     assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq) and lse.dtype == torch.float64
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk), scale))
+    check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk), scale))
 
 
 def test_mask_heads_are_mapped_per_group():
@@ -214,7 +203,7 @@ def test_mask_heads_are_mapped_per_group():
     out, lse = reference_attention(q, k, v, se, causal=False)
     assert torch.isposinf(lse[:, :2]).all() and torch.isfinite(lse[:, 2:]).all()
     assert (out[:, :, :2] == 0).all()
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, False, sq, sk)))
+    check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(se, False, sq, sk)))
 
 
 @settings(max_examples=30, **HYP)
@@ -223,7 +212,7 @@ def test_mask_heads_are_mapped_per_group():
 def test_no_mask_matches_naive_oracle(b, hk, g, sq, sk, d, causal, scale):
     q, k, v = _qkv(b, sq, sk, hk * g, hk, d)
     out, lse = reference_attention(q, k, v, None, causal=causal, softmax_scale=scale)
-    _check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(None, causal, sq, sk), scale))
+    check_matches(out, lse, *naive_attention(q, k, v, dense_from_intervals(None, causal, sq, sk), scale))
 
 
 def test_causal_bottom_right_alignment_sq_greater_than_sk():
@@ -240,7 +229,7 @@ def test_causal_bottom_right_alignment_sq_greater_than_sk():
     # The same holds with an explicit (no-op) C=1 mask: LTS = Sq everywhere.
     se = torch.full((1, 1, 4, 1), 7, dtype=torch.int32)
     out2, lse2 = reference_attention(q, k, v, se, causal=True)
-    _check_matches(out2, lse2, out, lse)
+    check_matches(out2, lse2, out, lse)
 
 
 def test_causal_bottom_right_alignment_sq_less_than_sk():
@@ -263,8 +252,8 @@ def test_chunking_gives_the_same_result(case, data):
     q, k, v = _qkv(b, sq, sk, hq, hk, d, generator=g)
     whole = reference_attention(q, k, v, se, causal=causal, softmax_scale=scale)
     chunked = reference_attention(q, k, v, se, causal=causal, softmax_scale=scale, chunk_size=chunk)
-    _check_matches(*chunked, *whole, atol=1e-12, rtol=1e-12)
-    _check_matches(*chunked, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk), scale))
+    check_matches(*chunked, *whole, atol=1e-12, rtol=1e-12)
+    check_matches(*chunked, *naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk), scale))
 
 
 # --- dtypes -------------------------------------------------------------------------------------
@@ -288,7 +277,7 @@ def test_low_precision_inputs(dtype, causal, c):
     ref_out, ref_lse = naive_attention(q, k, v, dense_from_intervals(se, causal, sq, sk))
     assert torch.isposinf(ref_lse[0, :2]).all()
     tol = LOW_TOL[dtype]
-    _check_matches(out, lse, ref_out, ref_lse, atol=tol, rtol=tol)
+    check_matches(out, lse, ref_out, ref_lse, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
@@ -318,7 +307,7 @@ def test_fully_masked_rows_are_exact(causal, c):
     assert torch.isposinf(ref_lse[:, :, [4, 6]]).all()
     assert torch.isposinf(lse[:, :, [4, 6]]).all()
     assert torch.equal(out[:, [4, 6]], torch.zeros_like(out[:, [4, 6]]))
-    _check_matches(out, lse, ref_out, ref_lse)
+    check_matches(out, lse, ref_out, ref_lse)
 
 
 def test_every_row_masked():

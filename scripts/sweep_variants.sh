@@ -4,6 +4,10 @@
 # every mask family with each.
 #   VARIANTS="base= wg2=FWD_WG64=2"  name=settings: each K=V defines FLASHMASK_SM90_K as V on top
 #                                    of csrc/sm90/tile_config.h (its tuning macros)
+#   VARIANTS="main= new=@.ab/new"    name=@folder: build the source tree in that folder instead (a
+#                                    branch, taken here by `git archive BRANCH | tar -x -C .ab/new`;
+#                                    .ab/ is not ignored, so it travels with the working tree)
+#   TESTS="tests/test_cuda_bwd.py"   run these GPU tests in each variant before the timings
 #   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
 #   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
@@ -19,10 +23,12 @@ t0=$(date +%s)
 for v in "${VARS[@]}"; do
     name=${v%%=*}; flags=${v#*=}
     dir=/tmp/variant_$name; rm -rf "$dir"; mkdir -p "$dir"
-    cp -r setup.py pyproject.toml README.md LICENSE csrc flashmask masks benchmarks "$dir"/
+    src=.
+    if [[ $flags == @* ]]; then src=${flags#@}; flags=""; fi
+    ( cd "$src" && cp -r setup.py pyproject.toml README.md LICENSE csrc flashmask masks benchmarks tests "$dir"/ )
     defs=""; IFS=, read -r -a kvs <<< "$flags"
     for kv in "${kvs[@]}"; do [ -n "$kv" ] && defs+="#define FLASHMASK_SM90_${kv%%=*} ${kv#*=}"$'\n'; done
-    printf '%s' "$defs" | cat - csrc/sm90/tile_config.h > "$dir/csrc/sm90/tile_config.h"
+    printf '%s' "$defs" | cat - "$src/csrc/sm90/tile_config.h" > "$dir/csrc/sm90/tile_config.h"
     ( cd "$dir" && FLASHMASK_BUILD_CUDA=1 FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=$HEAD_DIM FLASHMASK_DTYPES=$DTYPE \
         MAX_JOBS=$jobs python3 setup.py build_ext --inplace > "$OUT/build_$name.log" 2>&1 \
         || echo "BUILD FAILED: $name" ) &
@@ -30,6 +36,13 @@ for v in "${VARS[@]}"; do
 done
 wait
 echo "built ${#VARS[@]} variants in $(( $(date +%s) - t0 )) s"
+if [ -n "${TESTS:-}" ]; then
+    for v in "${VARS[@]}"; do
+        name=${v%%=*}
+        ( cd "/tmp/variant_$name" && timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider $TESTS \
+            > "$OUT/tests_$name.log" 2>&1; echo "tests $name: $(tail -1 "$OUT/tests_$name.log")" )
+    done
+fi
 for v in "${VARS[@]}"; do
     name=${v%%=*}; dir=/tmp/variant_$name
     ( cd "$dir" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \

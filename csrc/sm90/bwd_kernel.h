@@ -60,7 +60,7 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 // for CTAs that started before it. The query block's semaphore counts the key blocks that have had
 // their turn; each key block's CTA waits for its turn at every query block, whether it sees it or
 // not, and hands the turn on once its addition (if any) is complete in global memory. (Decreasing
-// order, which should spare causal masks a chain of waits, measured 1.3-1.6x slower on them at head
+// order, which should spare causal masks a chain of waits, measured 1.3-1.4x slower on them at head
 // dim 128: docs/perf_notes.md, version 23.)
 __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
     int v;

@@ -54,7 +54,6 @@ class _HeadGrads:
             self.db.add_(d.sum(0))
 
 
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size: int, ignore_index: int, normalizer):

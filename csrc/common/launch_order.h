@@ -17,4 +17,14 @@ __device__ __forceinline__ JobHead job_and_head(int x, int jobs, int group) {
     return {r / group, g * group + r % group};
 }
 
+// Entry j of a job list (MaskMeta::jobs, (b * Hq + h) * tiles + tile): the tile (the forward's
+// query tile or the backward's key block), its query head and batch.
+struct ListedJob {
+    int tile, head, batch;
+};
+__device__ __forceinline__ ListedJob listed_job(int j, int tiles, int hq) {
+    const int bh = j / tiles;
+    return {j - bh * tiles, bh % hq, bh / hq};
+}
+
 }  // namespace flashmask

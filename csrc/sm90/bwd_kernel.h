@@ -142,9 +142,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int n_blocks = gridDim.x / p.hq;
     int n_block, h, b;
     if (p.job_list != nullptr) {  // with a mask: the CTAs take the job list in launch order
-        const int j = p.job_list[blockIdx.z * gridDim.x + blockIdx.x];
-        const int bh = j / n_blocks;
-        n_block = j - bh * n_blocks, h = bh % p.hq, b = bh / p.hq;
+        const ListedJob j = listed_job(p.job_list[blockIdx.z * gridDim.x + blockIdx.x], n_blocks, p.hq);
+        n_block = j.tile, h = j.head, b = j.batch;
     } else {
         const JobHead job = job_and_head(blockIdx.x, n_blocks, p.head_group);
         n_block = job.job, h = job.head, b = blockIdx.z;

@@ -36,9 +36,8 @@ struct FwdScheduler {
     template <bool Is_causal>
     __device__ FwdJob job(const AttnParams& p, int x) const {
         if (p.job_list != nullptr) {
-            const int j = p.job_list[x];
-            const int bh = j / m_tiles;
-            return {j - bh * m_tiles, bh % p.hq, bh / p.hq};
+            const ListedJob j = listed_job(p.job_list[x], m_tiles, p.hq);
+            return {j.tile, j.head, j.batch};
         }
         const int per_batch = m_tiles * p.hq;
         const int b = x / per_batch;

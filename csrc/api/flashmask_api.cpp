@@ -203,7 +203,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
-    // The SM90 backward starts its key blocks in the order of a job list (heaviest first, few heads
+    // The SM90 backward draws its key blocks in the order of a job list (heaviest first, few heads
     // in flight); its deterministic mode keeps the launch order, which its dQ turns follow.
     const bool key_jobs = sel.kernels->arch == 90 && !deterministic;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, key_jobs ? sel.tiles.bwd_block_m : 0,
@@ -243,6 +243,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             dq_semaphore = at::zeros({b, hq, m_blocks}, q.options().dtype(at::kInt));
             p.dq_semaphore = dq_semaphore.data_ptr<int>();
         }
+    }
+    at::Tensor job_counter;
+    if (sel.kernels->arch == 90) {  // the SM90 backward is persistent: its CTAs draw jobs from a counter
+        job_counter = at::zeros({1}, q.options().dtype(at::kInt));
+        p.job_counter = job_counter.data_ptr<int>();
     }
     p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);

@@ -44,9 +44,8 @@ struct AttnParams {
     // dO in the backward) within L2. head_group divides Hq (choose_head_group in the binding).
     int head_group;
 
-    // The SM90 kernels with a mask: the jobs in the order of job_list (MaskMeta::jobs), or of the
-    // launch order above where it is nullptr. The persistent forward's job_counter (zero at launch)
-    // hands them out; the backward's CTAs take them in launch order.
+    // The persistent SM90 kernels: the jobs in the order of job_list (MaskMeta::jobs), or of the
+    // launch order above where it is nullptr; job_counter (zero at launch) hands them out.
     const int* job_list;
     int* job_counter;
 };

@@ -1,13 +1,14 @@
 // Hopper backward with FlashMask skipping: key/value-stationary, TMA loads, wgmma, warp
 // specialisation.
 //
-// One CTA per (key block of 128, query head, batch), started in the order of the mask's job list
-// (heaviest key blocks first, few heads in flight: MaskMeta::jobs) or, without a mask and in
-// deterministic mode, of job_and_head. The producer warpgroup gives its registers
-// away; one warp loads K and V once, then walks the query blocks that can see these keys
-// (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully masked runs) and
-// loads each one's Q and dO by TMA into a pipeline. Two consumer warpgroups own 64 keys each:
-// S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
+// (Key block of 128, query head, batch) jobs (tile_scheduler.h) run in the order of the mask's job
+// list (heaviest key blocks first, few heads in flight: MaskMeta::jobs) or, without a mask and in
+// deterministic mode, of job_and_head: one CTA per job, or where the tile is persistent one CTA per
+// SM drawing them. The producer warpgroup gives its registers away; one warp loads each job's K
+// and V once the consumers are done with the last job's, then walks the query blocks that can see
+// these keys (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully
+// masked runs) and loads each one's Q and dO by TMA into a pipeline. Two consumer warpgroups own 64
+// keys each: S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
 // dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
 // warpgroups split by head dim and hand to a second producer warp, which adds each tile to the
 // fp32 dQ accumulator with one bulk reduction. dK and dV leave by TMA store.
@@ -23,6 +24,7 @@
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
 
 namespace flashmask::sm90 {
@@ -56,8 +58,8 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 }
 
 // Deterministic mode: the key blocks of a (batch, head) add their dQ to each query block in
-// increasing order, the order their CTAs start in (launch_order.h), so that a CTA only ever waits
-// for CTAs that started before it. The query block's semaphore counts the key blocks that have had
+// increasing order, the order of their jobs (job_and_head), so that a job only ever waits for
+// jobs drawn before it. The query block's semaphore counts the key blocks that have had
 // their turn; each key block's CTA waits for its turn at every query block, whether it sees it or
 // not, and hands the turn on once its addition (if any) is complete in global memory. (Decreasing
 // order, which should spare causal masks a chain of waits, measured 1.3-1.4x slower on them at head
@@ -122,6 +124,23 @@ __device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
     if (sem != nullptr) pass_unseen(passed, m_end);
 }
 
+// What a job means: its keys, heads and mask slice and the query blocks that see the keys;
+// identical in every warp.
+template <typename Traits, bool Is_causal, bool Has_mask>
+struct KeyJob {
+    int n_block, h, b, kv_h, c0, m_end, m_first;
+    MaskHead mask;
+    QueryBlockWalk<Traits::kBlockM, Traits::kBlockN, Is_causal, Has_mask> walk;
+
+    __device__ KeyJob(const BwdParams& p, const BwdJob& job)
+        : n_block(job.n_block), h(job.h), b(job.b), kv_h(job.h / p.q_per_kv_head), c0(job.n_block * Traits::kBlockN),
+          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), mask(mask_head(p, job.b, job.h)),
+          walk{Has_mask ? mask.bounds + job.n_block * kNumBounds : nullptr, c0, p.sq, p.sk, p.sk - p.sq, m_end} {
+        m_first = walk.visible_at_or_above(walk.begin());
+    }
+    __device__ bool empty() const { return m_first >= m_end; }
+};
+
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -129,6 +148,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
+    using Job = KeyJob<Traits, Is_causal, Has_mask>;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     const BwdParams& p = args.p;
@@ -138,26 +158,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int warp_group = threadIdx.x / 128;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-
-    const int n_blocks = gridDim.x / p.hq;
-    int n_block, h, b;
-    if (p.job_list != nullptr) {  // with a mask: the CTAs take the job list in launch order
-        const ListedJob j = listed_job(p.job_list[blockIdx.z * gridDim.x + blockIdx.x], n_blocks, p.hq);
-        n_block = j.tile, h = j.head, b = j.batch;
-    } else {
-        const JobHead job = job_and_head(blockIdx.x, n_blocks, p.head_group);
-        n_block = job.job, h = job.head, b = blockIdx.z;
-    }
-    const int kv_h = h / p.q_per_kv_head;
-    const int c0 = n_block * kBlockN;
-    const int m_end = (p.sq + kBlockM - 1) / kBlockM;
+    const BwdScheduler<Traits::kConsumerThreads, Traits::kPersistent> scheduler(p, kBlockN);
     const int causal_offset = p.sk - p.sq;
-    const MaskHead mask = mask_head(p, b, h);
-    const int* bnd = Has_mask ? mask.bounds + n_block * kNumBounds : nullptr;
-    const QueryBlockWalk<kBlockM, kBlockN, Is_causal, Has_mask> walk{bnd, c0, p.sq, p.sk, causal_offset, m_end};
-    const int m_first = walk.visible_at_or_above(walk.begin());
 
-    if (threadIdx.x == 0) shared.barrier_kv.init(1);
+    // Barriers: K and V's (one arrival with its byte count, one phase per job that loads them), the
+    // consumers' release of K and V once a job's last GEMM is done (one phase per such job), and
+    // the Q/dO pipeline, whose state runs on across jobs.
+    if (threadIdx.x == 0) {
+        shared.barrier_kv.init(1);
+        shared.kv_free.init(Traits::kConsumerThreads);
+    }
     typename Pipeline::Params pipe_params;
     pipe_params.transaction_bytes = 2 * Traits::kTmaBytesQ;
     pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -170,42 +180,62 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
-        if (warp == 1) {  // deterministic: also when the keys see no query
-            dq_warp<Traits>(p, walk, shared.dq, /*turn=*/n_block, h, b, m_first, m_end, kDqHandoff);
+        if (warp > 1) return;
+        if (warp == 1) {
+            // The dQ warp, job after job (deterministic: also the jobs whose keys see no query).
+            // Persistent, after each job's last tile has been read it hands the buffer to dK and dV.
+            for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
+                const Job job(p, scheduler.job(p, x));
+                dq_warp<Traits>(p, job.walk, shared.dq, /*turn=*/job.n_block, job.h, job.b, job.m_first, job.m_end,
+                                kDqHandoff);
+                if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
+            }
             return;
         }
-        if (m_first >= m_end || warp > 1) return;
+        // The producer warp: each job's K and V once the consumers are done with the last job's, then
+        // Q and dO of the query blocks that see the keys.
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
         Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
-        Tensor gQ = local_tile(mQ(_, _, h, b), typename Traits::TileQ{}, make_coord(_, _0{}));
-        Tensor gdO = local_tile(mdO(_, _, h, b), typename Traits::TileQ{}, make_coord(_, _0{}));
-        Tensor gK = local_tile(mK(_, _, kv_h, b), typename Traits::TileKV{}, make_coord(n_block, _0{}));
-        Tensor gV = local_tile(mV(_, _, kv_h, b), typename Traits::TileKV{}, make_coord(n_block, _0{}));
         Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
         Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
         Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
-        auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto [tdOg, tdOs] = tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-        auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
         using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
-        if (lane == 0) {
-            shared.barrier_kv.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
-            copy(args.tma_k.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tKg, tKs);
-            copy(args.tma_v.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tVg, tVs);
-        }
         auto state = cutlass::make_producer_start_state<Pipeline>();
-        for (int m = m_first; m < m_end; m = walk.visible_at_or_above(m + 1)) {
-            if (lane == 0) {
-                pipeline_q.producer_acquire(state);
-                BarrierType* full = pipeline_q.producer_get_barrier(state);
-                copy(args.tma_q.with(*full, 0), tQg(_, m), tQs(_, state.index()));
-                copy(args.tma_do.with(*full, 0), tdOg(_, m), tdOs(_, state.index()));
+        int kv_free_phase = 0;
+        bool kv_loaded = false;
+        for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.publish_next(p, x, shared.next_job)) {
+            const Job job(p, scheduler.job(p, x));
+            if (job.empty()) continue;  // the consumers write zeros: nothing to load
+            Tensor gQ = local_tile(mQ(_, _, job.h, job.b), typename Traits::TileQ{}, make_coord(_, _0{}));
+            Tensor gdO = local_tile(mdO(_, _, job.h, job.b), typename Traits::TileQ{}, make_coord(_, _0{}));
+            Tensor gK = local_tile(mK(_, _, job.kv_h, job.b), typename Traits::TileKV{}, make_coord(job.n_block, _0{}));
+            Tensor gV = local_tile(mV(_, _, job.kv_h, job.b), typename Traits::TileKV{}, make_coord(job.n_block, _0{}));
+            auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+            auto [tdOg, tdOs] = tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+            auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+            auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+            if (kv_loaded) {
+                shared.kv_free.wait(kv_free_phase);
+                kv_free_phase ^= 1;
             }
-            ++state;
+            kv_loaded = true;
+            if (lane == 0) {
+                shared.barrier_kv.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
+                copy(args.tma_k.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tKg, tKs);
+                copy(args.tma_v.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tVg, tVs);
+            }
+            for (int m = job.m_first; m < job.m_end; m = job.walk.visible_at_or_above(m + 1)) {
+                if (lane == 0) {
+                    pipeline_q.producer_acquire(state);
+                    BarrierType* full = pipeline_q.producer_get_barrier(state);
+                    copy(args.tma_q.with(*full, 0), tQg(_, m), tQs(_, state.index()));
+                    copy(args.tma_do.with(*full, 0), tdOg(_, m), tdOs(_, state.index()));
+                }
+                ++state;
+            }
         }
         return;
     }
@@ -219,153 +249,175 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     auto thr_sdp = mma_sdp.get_thread_slice(ctid);
     auto thr_kv = mma_kv.get_thread_slice(ctid);
     auto thr_q = mma_q.get_thread_slice(ctid);
-    Tensor acc_dk = partition_fragment_C(mma_kv, typename Traits::TileKV{});
-    Tensor acc_dv = partition_fragment_C(mma_kv, typename Traits::TileKV{});
-    clear(acc_dk);
-    clear(acc_dv);
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
+    Tensor tSsdSt = thr_sdp.partition_C(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+    Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+    Tensor tQrdS = thr_q.partition_fragment_A(sdS);
+    Tensor tQrKt = thr_q.partition_fragment_B(sKt);
+    // (key, query) of each score this thread holds.
+    Tensor cST = thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{}));
+    Tensor cST_rc = rowcol(cST);
+    // Each thread's dQ values go to shared memory four at a time, a warp's 16-byte stores
+    // side by side (the row-major tile took 8-way bank conflicts); the accumulator in global
+    // memory keeps this order and dq_convert_kernel undoes it.
+    float4* const dq_out = reinterpret_cast<float4*>(shared.dq) + ctid;
+    cutlass::PipelineState<Traits::kStages> state;
+    int kv_phase = 0;
 
-    if (m_first < m_end) {
-        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
-        Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
-        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
-        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
-        Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
-        Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
-        Tensor tSsdSt = thr_sdp.partition_C(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
-        Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
-        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-        Tensor tQrdS = thr_q.partition_fragment_A(sdS);
-        Tensor tQrKt = thr_q.partition_fragment_B(sKt);
-        // (key, query) of each score this thread holds.
-        Tensor cST = thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{}));
-        Tensor cST_rc = rowcol(cST);
-        // Each thread's dQ values go to shared memory four at a time, a warp's 16-byte stores
-        // side by side (the row-major tile took 8-way bank conflicts); the accumulator in global
-        // memory keeps this order and dq_convert_kernel undoes it.
-        float4* const dq_out = reinterpret_cast<float4*>(shared.dq) + ctid;
+    for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
+        const Job job(p, scheduler.job(p, x));
+        const int c0 = job.c0, m_end = job.m_end;
+        const auto& walk = job.walk;
+        Tensor acc_dk = partition_fragment_C(mma_kv, typename Traits::TileKV{});
+        Tensor acc_dv = partition_fragment_C(mma_kv, typename Traits::TileKV{});
+        clear(acc_dk);
+        clear(acc_dv);
 
-        const float* lse = p.lse + (int64_t(b) * p.hq + h) * p.sq;
-        const float* dsum = p.dsum + (int64_t(b) * p.hq + h) * p.sq;
-        // The LSE and D of a query block's rows, staged by cp.async one block ahead into one of two
-        // buffers: copied before the dS barrier of the block before, read before the dS barrier of
-        // their own block, overwritten only after it.
-        auto stage_rows = [&](int m, int buf) {
-            if (ctid < 2 * kBlockM) {
-                const int i = ctid % kBlockM, row = m * kBlockM + i;
-                const float* src = ctid < kBlockM ? lse : dsum;
-                cp_async_4(&shared.row_stats[buf][ctid / kBlockM][i], row < p.sq ? src + row : src, row < p.sq);
-            }
-            cp_async_fence();
-        };
-        if (Has_mask) {  // the interval values of this CTA's keys, for every partial tile
-            stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, mask.cols, c0, p.sk, ctid);
-        }
-        stage_rows(m_first, 0);
-        cp_async_wait<0>();
-        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
-
-        // (Issuing the next block's S^T and dP^T before this block's dQ leaves would overlap more, but
-        // keeping both live across the loop spills at 240 registers.)
-        Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
-        Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
-        cutlass::PipelineState<Traits::kStages> state;
-        shared.barrier_kv.wait(0);
-        int buf = 0;
-        for (int m = m_first; m < m_end;) {
-            const int r0 = m * kBlockM;
-            const TileCompare compare = walk.compare(m);
-            const int m_next = walk.visible_at_or_above(m + 1);
-            if (m_next < m_end) stage_rows(m_next, buf ^ 1);
-            pipeline_q.consumer_wait(state);
-            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
-            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
-            warpgroup_wait<1>();  // S^T is in; dP^T may still run
-
-            // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs while
-            // dP^T lands and dS^T is computed.
-            Tensor st = rowcol(acc_s);
-            if (compare.any) {
-                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, causal_offset,
-                                                                  shared.mask_cols);
-            }
-            const float* lse_rows = shared.row_stats[buf][0];
-            const float* d_rows = shared.row_stats[buf][1];
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(st); ++ni) {
-                const int i = get<1>(cST_rc(0, ni));
-                const float lse_log2 = r0 + i < p.sq ? lse_rows[i] * float(M_LOG2E) : INFINITY;
-                CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
-            }
-            Tensor rP = make_tensor<Element>(acc_s.layout());
-            auto issue_dv = [&]() {
-                Tensor converted = convert_to<Element>(acc_s);
-                CUTE_UNROLL
-                for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
-                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
-                                                tKVrdOt(_, _, _, state.index()), acc_dv);
+        if (!job.empty()) {
+            const float* lse = p.lse + (int64_t(job.b) * p.hq + job.h) * p.sq;
+            const float* dsum = p.dsum + (int64_t(job.b) * p.hq + job.h) * p.sq;
+            // The LSE and D of a query block's rows, staged by cp.async one block ahead into one of
+            // two buffers: copied before the dS barrier of the block before, read before the dS
+            // barrier of their own block, overwritten only after it. (The last job's readers of
+            // these buffers and of the mask columns all passed its final dQ hand-over.)
+            auto stage_rows = [&](int m, int buf) {
+                if (ctid < 2 * kBlockM) {
+                    const int i = ctid % kBlockM, row = m * kBlockM + i;
+                    const float* src = ctid < kBlockM ? lse : dsum;
+                    cp_async_4(&shared.row_stats[buf][ctid / kBlockM][i], row < p.sq ? src + row : src, row < p.sq);
+                }
+                cp_async_fence();
             };
-            if constexpr (Traits::kEarlyDv) issue_dv();
-            warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
-
-            // dS^T = P^T (dP^T - D); dK += dS^T Q.
-            Tensor dpt = rowcol(acc_dp);
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(dpt); ++ni) {
-                const int i = get<1>(cST_rc(0, ni));
-                const float d = r0 + i < p.sq ? d_rows[i] : 0.f;
-                CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+            if (Has_mask) {  // the interval values of this job's keys, for every partial tile
+                stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, job.mask.cols, c0, p.sk, ctid);
             }
-            if constexpr (!Traits::kEarlyDv) issue_dv();
-            Tensor rdS = convert_to<Element>(acc_dp);
-            wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
-                                            tKVrQt(_, _, _, state.index()), acc_dk);
-
-            // dS into shared memory once both warpgroups are done reading the last block's (and the
-            // next block's LSE and D have landed: the same barrier publishes them).
+            stage_rows(job.m_first, 0);
             cp_async_wait<0>();
-            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-            copy(rdS, tSsdSt);
-            cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
-            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-            Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileQ{});
-            wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, tQrKt, acc_dq);
-            warpgroup_wait<0>();
-            pipeline_q.consumer_release(state);
-            ++state;
-            // dQ to the dQ warp's buffer once it has sent the last one.
-            cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
-            CUTE_UNROLL
-            for (int v = 0; v < size(acc_dq); v += 4) {
-                dq_out[(v / 4) * Traits::kConsumerThreads] = make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
-            }
-            cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
-            cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqFullBarrier);
-            buf ^= 1;
-            m = m_next;
-        }
-    }
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
 
-    // dK (scaled by the softmax scale) and dV of this query head's slice, through the Q and dO
-    // buffers: the other warpgroup's GEMMs, the last readers, finished before the last dQ hand-over.
-    // A key block no query sees writes zeros.
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
-    using Store = typename Traits::KVStore;
-    const auto shape = make_shape(p.sk, p.d, p.hq, p.b);
-    const int wg_barrier = kBwdStoreBarrier + ctid / 128;
-    Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, shared.q.data(), n_block * Traits::kConsumerWarpgroups,
-                                   h, b, ctid, wg_barrier);
-    Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, shared.dout.data(),
-                                   n_block * Traits::kConsumerWarpgroups, h, b, ctid, wg_barrier);
-    Store::drain(ctid);
+            // (Issuing the next block's S^T and dP^T before this block's dQ leaves would overlap more,
+            // but keeping both live across the loop spills at 240 registers.)
+            Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+            Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+            shared.barrier_kv.wait(kv_phase);
+            kv_phase ^= 1;
+            int buf = 0;
+            for (int m = job.m_first; m < m_end;) {
+                const int r0 = m * kBlockM;
+                const TileCompare compare = walk.compare(m);
+                const int m_next = walk.visible_at_or_above(m + 1);
+                if (m_next < m_end) stage_rows(m_next, buf ^ 1);
+                pipeline_q.consumer_wait(state);
+                wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
+                wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
+                warpgroup_wait<1>();  // S^T is in; dP^T may still run
+
+                // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs
+                // while dP^T lands and dS^T is computed.
+                Tensor st = rowcol(acc_s);
+                if (compare.any) {
+                    mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, causal_offset,
+                                                                      shared.mask_cols);
+                }
+                const float* lse_rows = shared.row_stats[buf][0];
+                const float* d_rows = shared.row_stats[buf][1];
+                CUTE_UNROLL
+                for (int ni = 0; ni < size<1>(st); ++ni) {
+                    const int i = get<1>(cST_rc(0, ni));
+                    const float lse_log2 = r0 + i < p.sq ? lse_rows[i] * float(M_LOG2E) : INFINITY;
+                    CUTE_UNROLL
+                    for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+                }
+                Tensor rP = make_tensor<Element>(acc_s.layout());
+                auto issue_dv = [&]() {
+                    Tensor converted = convert_to<Element>(acc_s);
+                    CUTE_UNROLL
+                    for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+                    wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
+                                                    tKVrdOt(_, _, _, state.index()), acc_dv);
+                };
+                if constexpr (Traits::kEarlyDv) issue_dv();
+                warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
+
+                // dS^T = P^T (dP^T - D); dK += dS^T Q.
+                Tensor dpt = rowcol(acc_dp);
+                CUTE_UNROLL
+                for (int ni = 0; ni < size<1>(dpt); ++ni) {
+                    const int i = get<1>(cST_rc(0, ni));
+                    const float d = r0 + i < p.sq ? d_rows[i] : 0.f;
+                    CUTE_UNROLL
+                    for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+                }
+                if constexpr (!Traits::kEarlyDv) issue_dv();
+                Tensor rdS = convert_to<Element>(acc_dp);
+                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
+                                                tKVrQt(_, _, _, state.index()), acc_dk);
+
+                // dS into shared memory once both warpgroups are done reading the last block's (and
+                // the next block's LSE and D have landed: the same barrier publishes them).
+                cp_async_wait<0>();
+                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+                copy(rdS, tSsdSt);
+                cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
+                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+                Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileQ{});
+                wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, tQrKt, acc_dq);
+                warpgroup_wait<0>();
+                pipeline_q.consumer_release(state);
+                ++state;
+                // dQ to the dQ warp's buffer once it has sent the last one.
+                cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+                CUTE_UNROLL
+                for (int v = 0; v < size(acc_dq); v += 4) {
+                    dq_out[(v / 4) * Traits::kConsumerThreads] =
+                        make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
+                }
+                cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
+                cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqFullBarrier);
+                buf ^= 1;
+                m = m_next;
+            }
+            // Every GEMM of this job is done: the producer may load the next job's K and V.
+            if constexpr (Traits::kPersistent) shared.kv_free.arrive();
+        }
+
+        // dK (scaled by the softmax scale) and dV of this query head's slice; a key block no query
+        // sees writes zeros. Persistent: one after the other through the dQ buffer, once the dQ warp
+        // has sent the last dQ tile; before the buffer takes the next job's dQ, the TMA unit has
+        // read dV (each warpgroup waits for its store here, and the next dQ hand-over waits for
+        // both). Otherwise through the Q and dO buffers: the other warpgroup's GEMMs, their last
+        // readers, finished before the last dQ hand-over.
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+        using Store = typename Traits::KVStore;
+        const auto shape = make_shape(p.sk, p.d, p.hq, p.b);
+        const int wg_barrier = kBwdStoreBarrier + ctid / 128;
+        Element* buffer_dk = shared.q.data();
+        Element* buffer_dv = shared.dout.data();
+        if constexpr (Traits::kPersistent) {
+            cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+            buffer_dk = buffer_dv = reinterpret_cast<Element*>(shared.dq);
+        }
+        const int row_tile0 = job.n_block * Traits::kConsumerWarpgroups;
+        Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer_dk, row_tile0, job.h, job.b, ctid,
+                                       wg_barrier);
+        Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer_dv, row_tile0, job.h, job.b, ctid,
+                                       wg_barrier);
+        Store::drain(ctid);
+        if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, wg_barrier);
+    }
 #endif
 }
 

@@ -1,10 +1,14 @@
-// Launch layer of the SM90 backward: TMA descriptors of Q, dO, K and V over their real strides, the
-// key-block grid, then the dQ conversion. p.dq_accum must be zeroed fp32 [B, Hq, query blocks,
-// BlockM * head dim] (each tile in the kernel's staging order, bwd_kernel.h).
+// Launch layer of the SM90 backward: TMA descriptors of Q, dO, K, V, dK and dV over their real
+// strides, the grid (persistent or one CTA per job), then the dQ conversion. p.dq_accum must be
+// zeroed fp32 [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order,
+// bwd_kernel.h).
 #pragma once
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <cute/tensor.hpp>
 
@@ -37,7 +41,15 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     auto tma_dv = Traits::KVStore::make_tma(gdv);
     using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), decltype(tma_dk)>;
     const Args args{p, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv};
-    const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN * p.hq, 1, p.b);
+    // Persistent: one CTA per SM (the registers allow no more), none idle; otherwise one per job.
+    const int64_t jobs = int64_t((p.sk + Traits::kBlockN - 1) / Traits::kBlockN) * p.hq * p.b;
+    TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (key block, head, batch) jobs for one launch");
+    int64_t ctas = jobs;
+    if constexpr (Traits::kPersistent) {
+        TORCH_CHECK(p.job_counter != nullptr, "flashmask: the persistent SM90 backward needs a job counter");
+        ctas = std::min<int64_t>(jobs, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+    }
+    const dim3 grid{unsigned(ctas)};
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         launch_with_smem(&bwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args>, grid,
                          Traits::kNThreads, Traits::kSmemBytes, args, stream);

@@ -20,6 +20,7 @@ struct BwdTraits {
     static constexpr int kStages = bwd_tile(kHeadDim).stages;
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
+    static constexpr bool kPersistent = bwd_tile(kHeadDim).persistent;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;
     static_assert(kBlockN == 64 * kConsumerWarpgroups);
@@ -69,8 +70,12 @@ struct BwdTraits {
     using SmemLayoutDSt = decltype(cute::composition(
         SmemLayoutDS{}, cute::make_ordered_layout(TileST{}, cute::Step<cute::_2, cute::_1>{})));
 
-    // dK and dV leave through the Q and dO buffers (tile_store.h), free by then.
+    // dK and dV leave through shared memory (tile_store.h): persistent, one after the other through
+    // the dQ buffer, between jobs (the Q and dO buffers already hold the next job's first blocks);
+    // otherwise through the Q and dO buffers, free by then.
     using KVStore = WarpgroupRowsStore<Element, kHeadDim>;
+    static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> * sizeof(Element) <=
+                  kBlockM * kHeadDim * sizeof(float));
     static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> <= cute::cosize_v<SmemLayoutQ>);
 
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -83,10 +88,14 @@ struct BwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
-        alignas(128) float dq[kBlockM * kHeadDim];  // a query block's dQ on its way to global memory (bwd_kernel.h)
+        // A query block's dQ on its way to global memory (bwd_kernel.h), and between jobs dK and dV
+        // (1024-byte aligned for their swizzled layout).
+        alignas(1024) float dq[kBlockM * kHeadDim];
         float row_stats[2][2][kBlockM];  // two buffers of a query block's LSE and D
         alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
         cutlass::arch::ClusterTransactionBarrier barrier_kv;
+        cutlass::arch::ClusterBarrier kv_free;  // the consumers are done with a job's K and V
+        int next_job;  // the job the producer hands to the consumers and the dQ warp (tile_scheduler.h)
         typename Pipeline::SharedStorage pipeline_q;  // Q and dO of a query block travel together
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));

@@ -23,9 +23,12 @@ constexpr FwdTile fwd_tile(int head_dim) {
 // whose Q and dO go through a pipeline of `stages`. early_dv: dV += P^T dO is issued before dS^T is
 // computed, to run alongside; at head dim 64 issuing it with dK was 3-7% faster on every mask
 // family (docs/perf_notes.md, version 22).
+// persistent: one CTA per SM draws jobs (tile_scheduler.h) instead of one CTA per job; at head dim
+// 64 that was 1-8% faster on every family but sliding window (-1%), at head dim 128 up to 6% slower
+// on the causal families (docs/perf_notes.md, version 26).
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
-    bool early_dv;
+    bool early_dv, persistent;
 };
 #ifndef FLASHMASK_SM90_BWD_M64
 #define FLASHMASK_SM90_BWD_M64 64
@@ -36,9 +39,16 @@ struct BwdTile {
 #ifndef FLASHMASK_SM90_BWD_EARLY_DV128
 #define FLASHMASK_SM90_BWD_EARLY_DV128 true
 #endif
+#ifndef FLASHMASK_SM90_BWD_PERSISTENT64
+#define FLASHMASK_SM90_BWD_PERSISTENT64 true
+#endif
+#ifndef FLASHMASK_SM90_BWD_PERSISTENT128
+#define FLASHMASK_SM90_BWD_PERSISTENT128 false
+#endif
 constexpr BwdTile bwd_tile(int head_dim) {
-    return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64}
-                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128};
+    return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
+                                    FLASHMASK_SM90_BWD_PERSISTENT64}
+                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_PERSISTENT128};
 }
 
 }  // namespace flashmask::sm90

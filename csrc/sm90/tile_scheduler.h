@@ -69,4 +69,62 @@ struct FwdScheduler {
     }
 };
 
+struct BwdJob {
+    int n_block, h, b;
+};
+
+// The SM90 backward's scheduler: (key block, head, batch) jobs in the order of the mask's job list
+// (MaskMeta::jobs: heaviest first, head by head within a bucket) or, without one (no mask, or
+// deterministic mode), of the SM80 backward's grid (launch_order.h: heads in groups of
+// p.head_group, key blocks ascending, so that causal key blocks, which see the most queries, come
+// first). kPersistent: one CTA per SM draws them like the forward's, and the producer warp
+// publishes each next job into a one-job slot that the consumer warpgroups and the dQ warp all
+// read; otherwise each CTA takes the job of its index and ends with it.
+template <int kConsumerThreads, bool kPersistent>
+struct BwdScheduler {
+    static constexpr int kThreads = 32 + kConsumerThreads + 32;  // producer warp, consumers, dQ warp
+    static constexpr int kJobFull = 7, kJobEmpty = 0;  // named barriers (bwd_kernel.h uses 1-6)
+    int n_blocks, num_jobs;
+
+    __device__ BwdScheduler(const BwdParams& p, int block_n)
+        : n_blocks((p.sk + block_n - 1) / block_n), num_jobs(n_blocks * p.hq * p.b) {}
+
+    __device__ int first() const { return blockIdx.x; }
+    __device__ bool valid(int x) const { return x < num_jobs; }
+
+    __device__ BwdJob job(const BwdParams& p, int x) const {
+        if (p.job_list != nullptr) {
+            const ListedJob j = listed_job(p.job_list[x], n_blocks, p.hq);
+            return {j.tile, j.head, j.batch};
+        }
+        const int per_batch = n_blocks * p.hq;
+        const int b = x / per_batch;
+        const JobHead jh = job_and_head(x - b * per_batch, n_blocks, p.head_group);
+        return {jh.job, jh.head, b};
+    }
+
+    // Producer warp, after issuing job `x`'s loads: draws the next job and publishes it once every
+    // reader has read the previous publication.
+    __device__ int publish_next(const BwdParams& p, int x, int& slot) const {
+        if constexpr (!kPersistent) return num_jobs;
+        int next = 0;
+        if (threadIdx.x % 32 == 0) next = gridDim.x + atomicAdd(p.job_counter, 1);
+        next = __shfl_sync(0xffffffffu, next, 0);
+        if (x != first()) cutlass::arch::NamedBarrier::sync(kThreads, kJobEmpty);
+        if (threadIdx.x % 32 == 0) *static_cast<volatile int*>(&slot) = next;
+        cutlass::arch::NamedBarrier::arrive(kThreads, kJobFull);
+        return next;
+    }
+
+    // Consumers and the dQ warp, after finishing a job: the next one (the slot is released only if
+    // the producer will publish again).
+    __device__ int take_next(const int& slot) const {
+        if constexpr (!kPersistent) return num_jobs;
+        cutlass::arch::NamedBarrier::sync(kThreads, kJobFull);
+        const int next = *static_cast<const volatile int*>(&slot);
+        if (valid(next)) cutlass::arch::NamedBarrier::arrive(kThreads, kJobEmpty);
+        return next;
+    }
+};
+
 }  // namespace flashmask::sm90

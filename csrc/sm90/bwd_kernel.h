@@ -257,7 +257,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
     Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
-    Tensor tSsdSt = thr_sdp.partition_C(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
+    // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
+    // rows (an element-wise copy took a generic 16-bit store, a byte permute and 64-bit address
+    // arithmetic per element: docs/perf_notes.md, version 27).
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
+    Tensor tDSsdSt = thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);
     Tensor tSrV = thr_sdp.partition_fragment_A(sV);
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
@@ -369,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 // the next block's LSE and D have landed: the same barrier publishes them).
                 cp_async_wait<0>();
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                copy(rdS, tSsdSt);
+                copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
                 cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
                 Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileQ{});

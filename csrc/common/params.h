@@ -44,8 +44,9 @@ struct AttnParams {
     // dO in the backward) within L2. head_group divides Hq (choose_head_group in the binding).
     int head_group;
 
-    // The persistent SM90 kernels: the jobs in the order of job_list (MaskMeta::jobs), or of the
-    // launch order above where it is nullptr; job_counter (zero at launch) hands them out.
+    // The SM90 kernels: the jobs in the order of job_list (MaskMeta::jobs), or of the launch order
+    // above where it is nullptr. In the persistent ones job_counter (zero at launch) hands them out;
+    // the others (the backward at head dim 128) take them in launch order.
     const int* job_list;
     int* job_counter;
 };

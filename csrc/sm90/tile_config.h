@@ -24,7 +24,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
 // computed, to run alongside; at head dim 64 issuing it with dK was 3-7% faster on every mask
 // family (docs/perf_notes.md, version 22).
 // persistent: one CTA per SM draws jobs (tile_scheduler.h) instead of one CTA per job; at head dim
-// 64 that was 1-8% faster on every family but sliding window (-1%), at head dim 128 up to 6% slower
+// 64 that was 1-9% faster on every family but sliding window (-1%), at head dim 128 up to 6% slower
 // on the causal families (docs/perf_notes.md, version 26).
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;

@@ -12,7 +12,8 @@
 #   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
 #                                    folder (e.g. ncu)
-# Prints one line per (family, seqlen) with each variant's TFLOP/s; CSVs under $OUT/<name>/.
+# Prints one line per (family, seqlen) with each variant's TFLOP/s, also written to $OUT/sweep.csv
+# (each variant's own CSV stays under $OUT/<name>/).
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}; MODES=${MODES:-fwd}
@@ -64,6 +65,12 @@ for n in names:
             rows.setdefault((int(r["head_dim"]), r["family"], int(r["seqlen"])), {})[col] = float(r["tflops"])
 names = [c for n in names for c in (n, f"{n}_det") if any(c in d for d in rows.values())]
 print(f"{'D':>3s} {'family':24s} {'seqlen':>7s} " + " ".join(f"{n:>9s}" for n in names))
-for (hd, f, s), d in sorted(rows.items()):
-    print(f"{hd:3d} {f:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))
+with open(os.path.join(out, "sweep.csv"), "w", newline="") as f:
+    table = csv.writer(f)
+    table.writerow(["head_dim", "family", "seqlen"] + names)
+    for (hd, fam, s), d in sorted(rows.items()):
+        print(f"{hd:3d} {fam:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))
+        table.writerow([hd, fam, s] + [d.get(n, "") for n in names])
 EOF
+# The device tool brings back only a few files: the JSON twins of the variants' CSVs would crowd out the rest.
+rm -f "$OUT"/*/kernels.json

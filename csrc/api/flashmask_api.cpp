@@ -203,7 +203,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
-    // The SM90 backward draws its key blocks in the order of a job list (heaviest first, few heads
+    // The SM90 backward takes its key blocks in the order of a job list (heaviest first, few heads
     // in flight); its deterministic mode keeps the launch order, which its dQ turns follow.
     const bool key_jobs = sel.kernels->arch == 90 && !deterministic;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, key_jobs ? sel.tiles.bwd_block_m : 0,

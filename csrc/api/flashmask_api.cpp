@@ -214,8 +214,17 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     p.dout = dout.data_ptr();
     set_strides(dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
 
-    at::Tensor dsum = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+    // The SM90 kernel loads a query block's LSE and D by bulk copies: rows padded to whole blocks.
+    const bool padded_stats = sel.kernels->arch == 90;
+    const int block_m = sel.tiles.bwd_block_m;
+    p.stats_stride = padded_stats ? (sq + block_m - 1) / block_m * block_m : sq;
+    at::Tensor dsum = at::empty({b, hq, p.stats_stride}, q.options().dtype(at::kFloat));
     p.dsum = dsum.data_ptr<float>();
+    at::Tensor lse_log2;
+    if (padded_stats) {
+        lse_log2 = at::empty_like(dsum);
+        p.lse_log2 = lse_log2.data_ptr<float>();
+    }
     const float* dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
     if (q.scalar_type() == at::kHalf) run_bwd_dsum_fp16(p, dlse_ptr, stream);
     else run_bwd_dsum_bf16(p, dlse_ptr, stream);
@@ -235,7 +244,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const bool dq_kernel = deterministic && sel.kernels->arch != 90;
     at::Tensor dq_accum, dq_semaphore;
     if (!dq_kernel) {
-        const int block_m = sel.tiles.bwd_block_m;
         const int m_blocks = (sq + block_m - 1) / block_m;
         dq_accum = at::zeros({b, hq, m_blocks, block_m * sel.kernels->head_dim}, q.options().dtype(at::kFloat));
         p.dq_accum = dq_accum.data_ptr<float>();

@@ -55,7 +55,12 @@ struct AttnParams {
 struct BwdParams : AttnParams {
     const void* dout;  // [B, Sq, Hq, D], last dim contiguous
     int64_t do_batch_stride, do_row_stride, do_head_stride;
-    const float* dsum;  // [B, Hq, Sq]
+    // D per (batch, head) row of stats_stride entries: Sq, or for the SM90 kernel Sq rounded up to its
+    // query block, the padding 0, so that a block's values load as one aligned bulk copy; there also
+    // lse_log2 = LSE * log2(e) in the same layout, +inf in the padding (those rows get P = 0).
+    const float* dsum;
+    float* lse_log2;  // nullptr where unused (SM80)
+    int stats_stride;
     float* dq_accum;    // zeroed float32 [B, Hq, query blocks, BlockM * head dim] (dq_accum.h): dS*K over key blocks
     // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], how many key blocks have added
     // to each query block's dQ (they take turns: sm90/bwd_kernel.h); nullptr otherwise.

@@ -29,7 +29,7 @@ struct BwdHead {
         k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_h * p.k_head_stride;
         v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
         lse = p.lse + (int64_t(b) * p.hq + h) * p.sq;
-        dsum = p.dsum + (int64_t(b) * p.hq + h) * p.sq;
+        dsum = p.dsum + (int64_t(b) * p.hq + h) * p.stats_stride;
     }
 };
 

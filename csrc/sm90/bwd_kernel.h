@@ -7,7 +7,9 @@
 // SM drawing them. The producer warpgroup gives its registers away; one warp loads each job's K
 // and V once the consumers are done with the last job's, then walks the query blocks that can see
 // these keys (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully
-// masked runs) and loads each one's Q and dO by TMA into a pipeline. Two consumer warpgroups own 64
+// masked runs) and loads each one's Q and dO by TMA into a pipeline, with the block's LSE and D (bulk
+// copies of the rows the preprocessing padded) and a ticket saying which block it is and what its
+// tile needs (QueryTicket), so that the consumers walk nothing. Two consumer warpgroups own 64
 // keys each: S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
 // dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
 // warpgroups split by head dim and hand to a second producer warp, which adds each tile to the
@@ -124,6 +126,21 @@ __device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
     if (sem != nullptr) pass_unseen(passed, m_end);
 }
 
+// A query block as the producer queues it for the consumers, with what its tile needs, so that they
+// read no bounds themselves: m << 3 | last << 2 | edges << 1 | intervals (last: the job's last block).
+struct QueryTicket {
+    int bits;
+    __device__ static QueryTicket make(int m, const TileCompare& t, bool last) {
+        return {m << 3 | int(last) << 2 | int(t.edges) << 1 | int(t.intervals)};
+    }
+    __device__ int m() const { return bits >> 3; }
+    __device__ bool last() const { return (bits & 4) != 0; }
+    __device__ TileCompare compare() const {
+        const bool intervals = (bits & 1) != 0, edges = (bits & 2) != 0;
+        return {intervals, edges, intervals || edges};
+    }
+};
+
 // What a job means: its keys, heads and mask slice and the query blocks that see the keys;
 // identical in every warp.
 template <typename Traits, bool Is_causal, bool Has_mask>
@@ -169,7 +186,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         shared.kv_free.init(Traits::kConsumerThreads);
     }
     typename Pipeline::Params pipe_params;
-    pipe_params.transaction_bytes = 2 * Traits::kTmaBytesQ;
+    pipe_params.transaction_bytes = 2 * Traits::kTmaBytesQ + 2 * Traits::kBytesRows;
     pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = threadIdx.x == 0;
     pipe_params.num_consumers = Traits::kConsumerThreads;
@@ -193,7 +210,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             return;
         }
         // The producer warp: each job's K and V once the consumers are done with the last job's, then
-        // Q and dO of the query blocks that see the keys.
+        // Q, dO, LSE and D of the query blocks that see the keys, each with its ticket.
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
@@ -206,6 +223,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         auto state = cutlass::make_producer_start_state<Pipeline>();
         int kv_free_phase = 0;
         bool kv_loaded = false;
+        int queued = 0;  // tickets written, over all jobs
         for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.publish_next(p, x, shared.next_job)) {
             const Job job(p, scheduler.job(p, x));
             if (job.empty()) continue;  // the consumers write zeros: nothing to load
@@ -227,14 +245,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 copy(args.tma_k.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tKg, tKs);
                 copy(args.tma_v.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tVg, tVs);
             }
-            for (int m = job.m_first; m < job.m_end; m = job.walk.visible_at_or_above(m + 1)) {
+            const int64_t rows = (int64_t(job.b) * p.hq + job.h) * p.stats_stride;
+            for (int m = job.m_first; m < job.m_end;) {
+                const int m_next = job.walk.visible_at_or_above(m + 1);
                 if (lane == 0) {
+                    // Before the stage's arrival, which publishes it (Traits::kTickets).
+                    shared.tickets[queued % Traits::kTickets] =
+                        QueryTicket::make(m, job.walk.compare(m), m_next >= job.m_end).bits;
                     pipeline_q.producer_acquire(state);
                     BarrierType* full = pipeline_q.producer_get_barrier(state);
                     copy(args.tma_q.with(*full, 0), tQg(_, m), tQs(_, state.index()));
                     copy(args.tma_do.with(*full, 0), tdOg(_, m), tdOs(_, state.index()));
+                    float* stats = shared.row_stats[state.index()][0];
+                    SM90_BULK_COPY_G2S::copy(p.lse_log2 + rows + m * kBlockM, full, stats, Traits::kBytesRows);
+                    SM90_BULK_COPY_G2S::copy(p.dsum + rows + m * kBlockM, full, stats + kBlockM, Traits::kBytesRows);
                 }
+                ++queued;
                 ++state;
+                m = m_next;
             }
         }
         return;
@@ -280,37 +308,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     float4* const dq_out = reinterpret_cast<float4*>(shared.dq) + ctid;
     cutlass::PipelineState<Traits::kStages> state;
     int kv_phase = 0;
+    int taken = 0;  // tickets read, over all jobs
 
     for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
         const Job job(p, scheduler.job(p, x));
-        const int c0 = job.c0, m_end = job.m_end;
-        const auto& walk = job.walk;
+        const int c0 = job.c0;
         Tensor acc_dk = partition_fragment_C(mma_kv, typename Traits::TileKV{});
         Tensor acc_dv = partition_fragment_C(mma_kv, typename Traits::TileKV{});
         clear(acc_dk);
         clear(acc_dv);
 
         if (!job.empty()) {
-            const float* lse = p.lse + (int64_t(job.b) * p.hq + job.h) * p.sq;
-            const float* dsum = p.dsum + (int64_t(job.b) * p.hq + job.h) * p.sq;
-            // The LSE and D of a query block's rows, staged by cp.async one block ahead into one of
-            // two buffers: copied before the dS barrier of the block before, read before the dS
-            // barrier of their own block, overwritten only after it. (The last job's readers of
-            // these buffers and of the mask columns all passed its final dQ hand-over.)
-            auto stage_rows = [&](int m, int buf) {
-                if (ctid < 2 * kBlockM) {
-                    const int i = ctid % kBlockM, row = m * kBlockM + i;
-                    const float* src = ctid < kBlockM ? lse : dsum;
-                    cp_async_4(&shared.row_stats[buf][ctid / kBlockM][i], row < p.sq ? src + row : src, row < p.sq);
-                }
-                cp_async_fence();
-            };
-            if (Has_mask) {  // the interval values of this job's keys, for every partial tile
+            // The interval values of this job's keys, for every partial tile. (The last job's
+            // readers of them all passed its final dQ hand-over.)
+            if constexpr (Has_mask) {
                 stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, job.mask.cols, c0, p.sk, ctid);
+                cp_async_fence();
+                cp_async_wait<0>();
+                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
             }
-            stage_rows(job.m_first, 0);
-            cp_async_wait<0>();
-            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
 
             // (Issuing the next block's S^T and dP^T before this block's dQ leaves would overlap more,
             // but keeping both live across the loop spills at 240 registers.)
@@ -318,15 +334,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
             shared.barrier_kv.wait(kv_phase);
             kv_phase ^= 1;
-            int buf = 0;
-            for (int m = job.m_first; m < m_end;) {
-                const int r0 = m * kBlockM;
-                const TileCompare compare = walk.compare(m);
-                const int m_next = walk.visible_at_or_above(m + 1);
-                if (m_next < m_end) stage_rows(m_next, buf ^ 1);
+            for (bool more = true; more;) {
                 pipeline_q.consumer_wait(state);
+                const QueryTicket ticket{shared.tickets[taken++ % Traits::kTickets]};
+                const int r0 = ticket.m() * kBlockM;
+                const TileCompare compare = ticket.compare();
+                more = !ticket.last();
                 wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
                 wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
+                // The block's LSE * log2(e) (+inf past the last query: P = 0 there) and D (0 there).
+                const float* lse_rows = shared.row_stats[state.index()][0];
+                const float* d_rows = shared.row_stats[state.index()][1];
                 warpgroup_wait<1>();  // S^T is in; dP^T may still run
 
                 // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs
@@ -336,12 +354,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                     mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, causal_offset,
                                                                       shared.mask_cols);
                 }
-                const float* lse_rows = shared.row_stats[buf][0];
-                const float* d_rows = shared.row_stats[buf][1];
                 CUTE_UNROLL
                 for (int ni = 0; ni < size<1>(st); ++ni) {
-                    const int i = get<1>(cST_rc(0, ni));
-                    const float lse_log2 = r0 + i < p.sq ? lse_rows[i] * float(M_LOG2E) : INFINITY;
+                    const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
                     CUTE_UNROLL
                     for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
                 }
@@ -360,8 +375,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 Tensor dpt = rowcol(acc_dp);
                 CUTE_UNROLL
                 for (int ni = 0; ni < size<1>(dpt); ++ni) {
-                    const int i = get<1>(cST_rc(0, ni));
-                    const float d = r0 + i < p.sq ? d_rows[i] : 0.f;
+                    const float d = d_rows[get<1>(cST_rc(0, ni))];
                     CUTE_UNROLL
                     for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
                 }
@@ -370,9 +384,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
                                                 tKVrQt(_, _, _, state.index()), acc_dk);
 
-                // dS into shared memory once both warpgroups are done reading the last block's (and
-                // the next block's LSE and D have landed: the same barrier publishes them).
-                cp_async_wait<0>();
+                // dS into shared memory once both warpgroups are done reading the last block's.
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
                 copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
                 cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
@@ -391,8 +403,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 }
                 cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
                 cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqFullBarrier);
-                buf ^= 1;
-                m = m_next;
             }
             // Every GEMM of this job is done: the producer may load the next job's K and V.
             if constexpr (Traits::kPersistent) shared.kv_free.arrive();

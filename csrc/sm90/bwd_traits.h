@@ -81,6 +81,11 @@ struct BwdTraits {
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+    static constexpr int kBytesRows = kBlockM * int(sizeof(float));  // a query block's LSE, or D
+    // A ring longer than the pipeline: the producer writes a block's ticket before it waits for the
+    // block's stage, so a slot is rewritten only after the consumers released a later block.
+    static constexpr int kTickets = 8;
+    static_assert(kTickets > kStages + 1);
 
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
@@ -91,7 +96,9 @@ struct BwdTraits {
         // A query block's dQ on its way to global memory (bwd_kernel.h), and between jobs dK and dV
         // (1024-byte aligned for their swizzled layout).
         alignas(1024) float dq[kBlockM * kHeadDim];
-        float row_stats[2][2][kBlockM];  // two buffers of a query block's LSE and D
+        // A query block's LSE * log2(e) and D, loaded with its Q and dO (one per pipeline stage).
+        alignas(16) float row_stats[kStages][2][kBlockM];
+        int tickets[kTickets];  // the query blocks the producer has queued (bwd_kernel.h)
         alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
         cutlass::arch::ClusterTransactionBarrier barrier_kv;
         cutlass::arch::ClusterBarrier kv_free;  // the consumers are done with a job's K and V

@@ -252,7 +252,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             p.dq_semaphore = dq_semaphore.data_ptr<int>();
         }
     }
-    // Where the SM90 backward is persistent (head dim 64), its CTAs draw jobs from this counter.
+    // Where the SM90 backward is persistent (the default, tile_config.h), its CTAs draw jobs from this counter.
     at::Tensor job_counter;
     if (sel.kernels->arch == 90) {
         job_counter = at::zeros({1}, q.options().dtype(at::kInt));

@@ -46,7 +46,7 @@ struct AttnParams {
 
     // The SM90 kernels: the jobs in the order of job_list (MaskMeta::jobs), or of the launch order
     // above where it is nullptr. In the persistent ones job_counter (zero at launch) hands them out;
-    // the others (the backward at head dim 128) take them in launch order.
+    // the others (a backward built with one CTA per job) take them in launch order.
     const int* job_list;
     int* job_counter;
 };

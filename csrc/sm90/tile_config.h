@@ -24,8 +24,10 @@ constexpr FwdTile fwd_tile(int head_dim) {
 // computed, to run alongside; at head dim 64 issuing it with dK was 3-7% faster on every mask
 // family (docs/perf_notes.md, version 22).
 // persistent: one CTA per SM draws jobs (tile_scheduler.h) instead of one CTA per job; at head dim
-// 64 that was 1-9% faster on every family but sliding window (-1%), at head dim 128 up to 6% slower
-// on the causal families (docs/perf_notes.md, version 26).
+// 64 that was 1-9% faster on every family but sliding window (-1%, version 26); at head dim 128 up
+// to 6% slower on the causal families then, 2-5% faster on every family once the consumers no
+// longer walked the bounds themselves (versions 26 and 29, docs/perf_notes.md). One CTA per job
+// stays a tuning switch (FLASHMASK_SM90_BWD_PERSISTENT64/128=false).
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
     bool early_dv, persistent;
@@ -43,7 +45,7 @@ struct BwdTile {
 #define FLASHMASK_SM90_BWD_PERSISTENT64 true
 #endif
 #ifndef FLASHMASK_SM90_BWD_PERSISTENT128
-#define FLASHMASK_SM90_BWD_PERSISTENT128 false
+#define FLASHMASK_SM90_BWD_PERSISTENT128 true
 #endif
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,

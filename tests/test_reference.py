@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import masks
-from attn_helpers import (TIGHT, check_matches, dense_from_intervals, dense_from_mask_mod, naive_attention,
-                          random_startend)
+from attn_helpers import (TIGHT, check_matches, dense_from_intervals, dense_from_mask_mod, error_bound, max_err,
+                          naive_attention, random_startend)
 from flashmask.reference import reference_attention
 from masks.examples import example
 
@@ -424,3 +424,22 @@ def test_gradients_match_naive_autograd(case):
     for name, x, y in zip("qkv", got, want):
         assert torch.isfinite(x).all(), f"d{name} not finite"
         torch.testing.assert_close(x, y, **TIGHT, msg=lambda m: f"d{name}: {m}")
+
+
+def test_error_bound_allows_one_rounding_and_no_more():
+    """The GPU tests' tolerance: a result one bf16 rounding step off the float32 reference passes even
+    where the baseline happened to round well; two steps off do not; fp16 keeps the 1e-3 epsilon."""
+    ref = torch.tensor([5.01, -2.0, 0.5])
+    low = ref.to(torch.bfloat16)
+    step = 2.0 ** -5  # bf16 spacing in [4, 8)
+    bound = error_bound(low, ref)
+    assert max_err(ref.to(torch.bfloat16), ref) <= bound
+    off_by_one = ref.clone()
+    off_by_one[0] = low[0].float() + step
+    assert max_err(off_by_one, ref) <= bound
+    off_by_two = ref.clone()
+    off_by_two[0] = low[0].float() + 2 * step
+    assert max_err(off_by_two, ref) > bound
+    low16 = ref.to(torch.float16)
+    assert error_bound(low16, ref) == pytest.approx(2 * max_err(low16, ref) + 1e-3 * 5.01)
+    assert error_bound(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3)) == pytest.approx(2.0 ** -8 * 1e-2)

@@ -12,6 +12,17 @@
 
 namespace flashmask::sm90 {
 
+// Job x of a launch over (tile, head, batch), `tiles` tiles per head: entry x of the job list
+// (masks), or else the launch order of the SM80 kernels (heads in groups of p.head_group), tiles
+// descending where `reverse`.
+__device__ __forceinline__ ListedJob ordered_job(const AttnParams& p, int x, int tiles, bool reverse) {
+    if (p.job_list != nullptr) return listed_job(p.job_list[x], tiles, p.hq);
+    const int per_batch = tiles * p.hq;
+    const int b = x / per_batch;
+    const JobHead jh = job_and_head(x - b * per_batch, tiles, p.head_group);
+    return {reverse ? tiles - 1 - jh.job : jh.job, jh.head, b};
+}
+
 struct FwdJob {
     int m_block, h, b;
 };
@@ -31,18 +42,11 @@ struct FwdScheduler {
     __device__ int first() const { return blockIdx.x; }
     __device__ bool valid(int x) const { return x < num_jobs; }
 
-    // Job x of the order: the job list (masks), or the launch order of the SM80 kernels, heads in
-    // groups of p.head_group and causal tiles longest (last) first.
+    // Job x of the order (ordered_job); without a job list, causal tiles longest (last) first.
     template <bool Is_causal>
     __device__ FwdJob job(const AttnParams& p, int x) const {
-        if (p.job_list != nullptr) {
-            const ListedJob j = listed_job(p.job_list[x], m_tiles, p.hq);
-            return {j.tile, j.head, j.batch};
-        }
-        const int per_batch = m_tiles * p.hq;
-        const int b = x / per_batch;
-        const JobHead jh = job_and_head(x - b * per_batch, m_tiles, p.head_group);
-        return {Is_causal ? m_tiles - 1 - jh.job : jh.job, jh.head, b};
+        const ListedJob j = ordered_job(p, x, m_tiles, Is_causal);
+        return {j.tile, j.head, j.batch};
     }
 
     // Producer warp, after issuing job `x`'s loads: draws the next job and publishes it. The first
@@ -93,14 +97,8 @@ struct BwdScheduler {
     __device__ bool valid(int x) const { return x < num_jobs; }
 
     __device__ BwdJob job(const BwdParams& p, int x) const {
-        if (p.job_list != nullptr) {
-            const ListedJob j = listed_job(p.job_list[x], n_blocks, p.hq);
-            return {j.tile, j.head, j.batch};
-        }
-        const int per_batch = n_blocks * p.hq;
-        const int b = x / per_batch;
-        const JobHead jh = job_and_head(x - b * per_batch, n_blocks, p.head_group);
-        return {jh.job, jh.head, b};
+        const ListedJob j = ordered_job(p, x, n_blocks, /*reverse=*/false);
+        return {j.tile, j.head, j.batch};
     }
 
     // Producer warp, after issuing job `x`'s loads: draws the next job and publishes it once every

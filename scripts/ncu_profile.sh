@@ -3,7 +3,8 @@
 # flashmask step with ncu. Writes $OUT/ncu_<tag>.txt (speed of light, warp states, memory and
 # compute workload) and $OUT/hot_<tag>.txt (the SASS lines with the most stall samples,
 # scripts/ncu_hot_lines.py).
-#   KERNEL=bwd_kernel FAMILY=causal SEQLEN=16384 HEAD_DIM=128 MODE=fwdbwd TOP=60
+#   KERNEL=bwd_kernel FAMILY=causal SEQLEN=16384 HEAD_DIM=128 TOP=60 (the defaults)
+#   STEP_ARGS="--mode fwd"   more arguments for scripts/profile_step.py (the forward kernel: KERNEL=fwd_kernel)
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 KERNEL=${KERNEL:-bwd_kernel}; FAMILY=${FAMILY:-causal}; SEQLEN=${SEQLEN:-16384}; HEAD_DIM=${HEAD_DIM:-128}

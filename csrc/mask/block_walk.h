@@ -22,6 +22,14 @@ __device__ __forceinline__ TileCompare tile_compare(const int* bnd, int r0, int 
     return t;
 }
 
+// The first query block of block_m rows that sees key c0 under the causal bound (causal_offset =
+// Sk - Sq: row r sees keys up to r + causal_offset), at most m_end; shared by QueryBlockWalk and the
+// backward's work count (mask/bounds.cu).
+__device__ __forceinline__ int causal_query_block_begin(int c0, int causal_offset, int block_m, int m_end) {
+    const int first_row = c0 - causal_offset;
+    return first_row <= 0 ? 0 : min(first_row / block_m, m_end);
+}
+
 // The 8 bounds of one key block, held in registers.
 struct BlockBounds {
     int v[kNumBounds];
@@ -88,11 +96,7 @@ struct QueryBlockWalk {
     const int* bnd;  // this key block's 8 bounds (unused without a mask)
     int c0, sq, sk, causal_offset, m_end;
 
-    __device__ int begin() const {
-        if (!Is_causal) return 0;
-        const int first_row = c0 - causal_offset;  // the first row that sees key c0
-        return first_row <= 0 ? 0 : min(first_row / kBlockM, m_end);
-    }
+    __device__ int begin() const { return Is_causal ? causal_query_block_begin(c0, causal_offset, kBlockM, m_end) : 0; }
     // The smallest visible block >= m, or m_end.
     __device__ int visible_at_or_above(int m) const {
         if (Has_mask) {

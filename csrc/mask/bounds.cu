@@ -2,6 +2,7 @@
 
 #include <climits>
 
+#include "mask/block_walk.h"
 #include "mask/bounds.h"
 
 namespace flashmask {
@@ -74,11 +75,7 @@ __global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __res
     const int lane = threadIdx.x % 32;
     if (warp >= total_blocks) return;
     const int c0 = (warp % n_blocks) * block_n;
-    int m_begin = 0;
-    if (causal) {
-        const int first_row = c0 - (sk - sq);  // the first row that sees key c0
-        m_begin = first_row <= 0 ? 0 : min(first_row / block_m, m_blocks);
-    }
+    const int m_begin = causal ? causal_query_block_begin(c0, sk - sq, block_m, m_blocks) : 0;
     const int* b = bounds + int64_t(warp) * kNumBounds;
     int count = 0;
     for (int m = m_begin + lane; m < m_blocks; m += 32) {

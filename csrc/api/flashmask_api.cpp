@@ -225,9 +225,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         lse_log2 = at::empty_like(dsum);
         p.lse_log2 = lse_log2.data_ptr<float>();
     }
-    const float* dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
-    if (q.scalar_type() == at::kHalf) run_bwd_dsum_fp16(p, dlse_ptr, stream);
-    else run_bwd_dsum_bf16(p, dlse_ptr, stream);
 
     // GQA: each query head writes its own dK, dV slice; the group is summed below.
     const bool expand = hq != hk;
@@ -245,8 +242,13 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     at::Tensor dq_accum, dq_semaphore;
     if (!dq_kernel) {
         const int m_blocks = (sq + block_m - 1) / block_m;
-        dq_accum = at::zeros({b, hq, m_blocks, block_m * sel.kernels->head_dim}, q.options().dtype(at::kFloat));
+        // With padded rows the D kernel zeroes the accumulator (row i of a (batch, head) owns its
+        // head-dim floats at i * head dim), in the pass that reads dO and O anyway.
+        const auto shape = std::vector<int64_t>{b, hq, m_blocks, block_m * sel.kernels->head_dim};
+        dq_accum = padded_stats ? at::empty(shape, q.options().dtype(at::kFloat))
+                                : at::zeros(shape, q.options().dtype(at::kFloat));
         p.dq_accum = dq_accum.data_ptr<float>();
+        if (padded_stats) p.dq_accum_row = sel.kernels->head_dim;
         if (deterministic) {
             dq_semaphore = at::zeros({b, hq, m_blocks}, q.options().dtype(at::kInt));
             p.dq_semaphore = dq_semaphore.data_ptr<int>();
@@ -258,6 +260,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         job_counter = at::zeros({1}, q.options().dtype(at::kInt));
         p.job_counter = job_counter.data_ptr<int>();
     }
+    const float* dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
+    if (q.scalar_type() == at::kHalf) run_bwd_dsum_fp16(p, dlse_ptr, stream);
+    else run_bwd_dsum_bf16(p, dlse_ptr, stream);
     p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);
     if (dq_kernel) sel.kernels->bwd_dq(p, stream);

@@ -9,7 +9,7 @@
 // these keys (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully
 // masked runs) and loads each one's Q and dO by TMA into a pipeline, with the block's LSE and D (bulk
 // copies of the rows the preprocessing padded) and a ticket saying which block it is and what its
-// tile needs (QueryTicket), so that the consumers walk nothing. Two consumer warpgroups own 64
+// tile needs (block_ticket.h), so that the consumers walk nothing. Two consumer warpgroups own 64
 // keys each: S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
 // dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
 // warpgroups split by head dim and hand to a second producer warp, which adds each tile to the
@@ -25,6 +25,7 @@
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
+#include "sm90/block_ticket.h"
 #include "sm90/bwd_traits.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
@@ -125,21 +126,6 @@ __device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
     }
     if (sem != nullptr) pass_unseen(passed, m_end);
 }
-
-// A query block as the producer queues it for the consumers, with what its tile needs, so that they
-// read no bounds themselves: m << 3 | last << 2 | edges << 1 | intervals (last: the job's last block).
-struct QueryTicket {
-    int bits;
-    __device__ static QueryTicket make(int m, const TileCompare& t, bool last) {
-        return {m << 3 | int(last) << 2 | int(t.edges) << 1 | int(t.intervals)};
-    }
-    __device__ int m() const { return bits >> 3; }
-    __device__ bool last() const { return (bits & 4) != 0; }
-    __device__ TileCompare compare() const {
-        const bool intervals = (bits & 1) != 0, edges = (bits & 2) != 0;
-        return {intervals, edges, intervals || edges};
-    }
-};
 
 // What a job means: its keys, heads and mask slice and the query blocks that see the keys;
 // identical in every warp.
@@ -251,7 +237,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 if (lane == 0) {
                     // Before the stage's arrival, which publishes it (Traits::kTickets).
                     shared.tickets[queued % Traits::kTickets] =
-                        QueryTicket::make(m, job.walk.compare(m), m_next >= job.m_end).bits;
+                        BlockTicket::make(m, job.walk.compare(m), m_next >= job.m_end).bits;
                     pipeline_q.producer_acquire(state);
                     BarrierType* full = pipeline_q.producer_get_barrier(state);
                     copy(args.tma_q.with(*full, 0), tQg(_, m), tQs(_, state.index()));
@@ -336,8 +322,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             kv_phase ^= 1;
             for (bool more = true; more;) {
                 pipeline_q.consumer_wait(state);
-                const QueryTicket ticket{shared.tickets[taken++ % Traits::kTickets]};
-                const int r0 = ticket.m() * kBlockM;
+                const BlockTicket ticket{shared.tickets[taken++ % Traits::kTickets]};
+                const int r0 = ticket.block() * kBlockM;
                 const TileCompare compare = ticket.compare();
                 more = !ticket.last();
                 wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);

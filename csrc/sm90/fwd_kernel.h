@@ -4,12 +4,13 @@
 // first. A producer warpgroup gives up its registers (setmaxnreg) and one of its warps walks the
 // visible key blocks of each job, loading its Q and each visible block's K and V by TMA into a
 // pipeline of mbarrier-guarded stages: a block the column intervals mask entirely is never loaded.
-// The producer runs ahead into the next job while the consumers finish and write this one. Two
-// consumer warpgroups of 64 rows each (three at head dim 64) walk the same blocks (KeyBlockWalk,
-// shared with the SM80 kernels) and issue S = Q K^T and O += P V as wgmma, each block's S together
-// with the previous block's P V; two warpgroups take turns (pingpong). Only partial blocks get the
-// element-wise compare, against their mask columns staged in shared memory. The output leaves by
-// TMA store (tile_store.h).
+// The producer runs ahead into the next job while the consumers finish and write this one. With
+// each block it queues a ticket (block_ticket.h: which block, whether its tile needs the
+// element-wise compare) and, for a block the intervals cut partly, the block's mask columns, in a
+// ring slot of shared memory. Two consumer warpgroups of 64 rows each (three at head dim 64) take
+// the blocks from the ring and issue S = Q K^T and O += P V as wgmma, each block's S together with
+// the previous block's P V; two warpgroups take turns (pingpong). The output leaves by TMA store
+// (tile_store.h).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -22,6 +23,7 @@
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
+#include "sm90/block_ticket.h"
 #include "sm90/fwd_barriers.h"
 #include "sm90/fwd_traits.h"
 #include "sm90/tile_scheduler.h"
@@ -105,6 +107,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
         auto state = cutlass::make_producer_start_state<Pipeline>();
         bool q_loaded = false;
+        int queued = 0;  // ring slots filled, over all jobs
         for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.publish_next(p, x, shared.next_job)) {
             const Job tile(p, scheduler.template job<Is_causal>(p, x));
             const auto walk = tile.walk(p);
@@ -128,7 +131,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                                      0),
                      tQg, tQs);
             }
+            TileCompare cmp = walk.compare(n_block, bnd);
             while (n_block >= 0) {
+                bnd = walk.bounds_of(n_block - 1);
+                const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
+                // The block's ring slot, filled before the arrival on its K stage publishes it.
+                const int slot = queued % Traits::kSlots;
+                if (Has_mask && cmp.intervals) {
+                    stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols, n_block * kBlockN,
+                                                            p.sk, lane);
+                    cp_async_fence();
+                    cp_async_wait<0>();
+                }
+                if (lane == 0) shared.tickets[slot] = BlockTicket::make(n_block, cmp, n_next < 0).bits;
+                __syncwarp();  // every lane's mask columns before lane 0's arrival
                 if (lane == 0) {
                     pipeline_k.producer_acquire(state);
                     copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block), tKs(_, state.index()));
@@ -136,8 +152,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block), tVs(_, state.index()));
                 }
                 ++state;
-                bnd = walk.bounds_of(n_block - 1);
-                n_block = walk.visible_at_or_below(n_block - 1, bnd);
+                ++queued;
+                n_block = n_next;
+                if (n_block >= 0) cmp = walk.compare(n_block, bnd);
             }
         }
         // Take the consumers' last "Q free" so that no arrival is left pending.
@@ -160,18 +177,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     Tensor cS = rowcol(thr_qk.partition_C(make_identity_tensor(typename Traits::TileS{})));
     Tensor cO = rowcol(thr_pv.partition_C(make_identity_tensor(typename Traits::TileQ{})));
     constexpr int kRows = decltype(size<0>(cS))::value;
-    int* const smem_mask = shared.mask_cols[cwg][0];
-    constexpr int kMaskBuffer = 4 * kBlockN;  // ints between the warpgroup's two mask buffers
 
     // Pingpong (two consumer warpgroups): they take turns issuing their GEMMs, so that one's
     // softmax runs while the other's GEMMs keep the tensor cores busy. A warpgroup waits on its
     // own named barrier, which the other one's arrival completes once that one has issued;
-    // warpgroup 0 goes first in every job. Three warpgroups issue freely, and their turn is a
-    // barrier of the warpgroup alone: every turn also orders the mask buffers (below).
+    // warpgroup 0 goes first in every job. Three warpgroups issue freely.
     const int buffers_barrier = Barriers::buffers(cwg);
     auto wait_turn = [&]() {
         if constexpr (Barriers::kPingpong) cutlass::arch::NamedBarrier::sync(256, Barriers::turn(cwg));
-        else if constexpr (Has_mask) cutlass::arch::NamedBarrier::sync(128, buffers_barrier);
     };
     auto pass_turn = [&]() {
         if constexpr (Barriers::kPingpong) cutlass::arch::NamedBarrier::arrive(256, Barriers::turn(cwg ^ 1));
@@ -179,14 +192,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
     cutlass::PipelineState<Traits::kStages> state_k, state_v;
     int q_phase = 0;
+    int taken = 0;  // ring slots read, over all jobs
+    // The next block from the ring, once its K stage has landed.
+    auto take_ticket = [&](int& slot) {
+        slot = taken++ % Traits::kSlots;
+        return BlockTicket{shared.tickets[slot]};
+    };
     for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job, cwg)) {
         const Job tile(p, scheduler.template job<Is_causal>(p, x));
         const auto walk = tile.walk(p);
         const int n_last = walk.end() - 1;
         const FwdOutput<Element> output(p, tile.b, tile.h, 0);
         BlockBounds bnd = walk.bounds_of(n_last);
-        int n_block = walk.visible_at_or_below(n_last, bnd);
-        if (n_block < 0) {
+        if (walk.visible_at_or_below(n_last, bnd) < 0) {  // the producer queued nothing
             output.write_empty(tile.r0, tile.r1, ctid, Traits::kConsumerThreads);
             continue;
         }
@@ -194,27 +212,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor acc_o = partition_fragment_C(mma_pv, typename Traits::TileQ{});
         clear(acc_o);
         OnlineSoftmax<kRows> softmax;
-
-        // A partial block's mask columns, in one of the warpgroup's two buffers. The first block's
-        // are staged and waited for here; each later block's are requested while the previous
-        // block's GEMMs run and waited for before its own GEMMs are issued. The pingpong barrier
-        // that precedes every issue orders both: all of the warpgroup's threads have finished
-        // reading a buffer (one block ago) before it is refilled, and their copies have landed
-        // before anyone reads them.
-        auto request_mask = [&](int n, const TileCompare& cmp, int buf) {
-            if (Has_mask && cmp.intervals) {
-                stage_mask_columns<kBlockN, kMaskC, 128>(smem_mask + buf * kMaskBuffer, tile.mask.cols, n * kBlockN, p.sk, ctid % 128);
-                cp_async_fence();
-            }
-        };
-        auto stage_mask_now = [&](int n, const TileCompare& cmp, int buf) {
-            if (Has_mask && cmp.intervals) {
-                cutlass::arch::NamedBarrier::sync(128, buffers_barrier);  // the last job's readers
-                request_mask(n, cmp, buf);
-                cp_async_wait<0>();
-                cutlass::arch::NamedBarrier::sync(128, buffers_barrier);
-            }
-        };
 
         // The first block alone, then each next block's S = Q K^T runs on the tensor cores while
         // this warpgroup waits for nothing: it is issued together with the previous block's
@@ -224,12 +221,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor rP = make_tensor<Element>(acc_s.layout());
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         float correction[kRows];
-        // exp(S - max) of block n, masked where it needs to be, and the rescale factors of O; then P.
-        auto softmax_of = [&](int n, const TileCompare& cmp, int buf) {
+        // exp(S - max) of a block, masked where its ticket says, and the rescale factors of O; then P.
+        auto softmax_of = [&](const BlockTicket& ticket, int slot) {
             Tensor s_rc = rowcol(acc_s);
+            const TileCompare cmp = ticket.compare();
             if (cmp.any) {
-                mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, n * kBlockN, p.sk, walk.causal_offset,
-                                               smem_mask + buf * kMaskBuffer);
+                mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, walk.causal_offset,
+                                               shared.mask_cols[slot]);
             }
             softmax.update_scores(s_rc, p.scale_log2, correction);
         };
@@ -242,54 +240,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         if (cwg == 1) pass_turn();  // pingpong: warpgroup 0 goes first
         shared.barrier_q.wait(q_phase);
         q_phase ^= 1;
-        int buf = 0;
+        bool more;
         {
-            const TileCompare cmp = walk.compare(n_block, bnd);
-            stage_mask_now(n_block, cmp, buf);
             pipeline_k.consumer_wait(state_k);
+            int slot;
+            const BlockTicket ticket = take_ticket(slot);
             wait_turn();
             wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
             pass_turn();
             warpgroup_wait<0>();
             pipeline_k.consumer_release(state_k);
             ++state_k;
-            softmax_of(n_block, cmp, buf);  // O is still zero: nothing to rescale
+            softmax_of(ticket, slot);  // O is still zero: nothing to rescale
             store_p();
+            more = !ticket.last();
         }
-        bnd = walk.bounds_of(n_block - 1);
-        n_block = walk.visible_at_or_below(n_block - 1, bnd);
-        TileCompare cmp{};
-        if (n_block >= 0) {
-            cmp = walk.compare(n_block, bnd);
-            request_mask(n_block, cmp, buf ^ 1);
-        }
-        while (n_block >= 0) {
-            buf ^= 1;
-            if (Has_mask && cmp.intervals) cp_async_wait<0>();
+        while (more) {
             pipeline_k.consumer_wait(state_k);
             pipeline_v.consumer_wait(state_v);
+            int slot;
+            const BlockTicket ticket = take_ticket(slot);
             wait_turn();
             wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
             wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
             pass_turn();
-            const int n = n_block;
-            const TileCompare this_cmp = cmp;
-            bnd = walk.bounds_of(n - 1);
-            n_block = walk.visible_at_or_below(n - 1, bnd);
-            if (n_block >= 0) {
-                cmp = walk.compare(n_block, bnd);
-                request_mask(n_block, cmp, buf ^ 1);
-            }
             warpgroup_wait<1>();  // S is in; P V may still run
             pipeline_k.consumer_release(state_k);
             ++state_k;
-            softmax_of(n, this_cmp, buf);
+            softmax_of(ticket, slot);
             warpgroup_wait<0>();
-            pipeline_v.consumer_release(state_v);
+            pipeline_v.consumer_release(state_v);  // also frees the last block's ring slot (fwd_traits.h)
             ++state_v;
             Tensor o_rc = rowcol(acc_o);
             softmax.rescale(o_rc, correction);
             store_p();
+            more = !ticket.last();
         }
         // Every S of this job is in: the producer may load the next job's Q.
         cutlass::arch::NamedBarrier::arrive(kQFreeThreads, Barriers::kQFree);

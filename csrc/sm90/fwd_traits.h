@@ -64,14 +64,20 @@ struct FwdTraits {
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+    // The producer fills a block's ring slot before it claims the block's K stage; the consumers are
+    // done with a slot once they release the V stage of the block after it, so kStages slots
+    // would do. Two more give slack.
+    static constexpr int kSlots = kStages + 2;
 
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>> o;
-        // The raw [BlockN, C] mask columns of a partial block, two buffers per consumer warpgroup.
-        alignas(16) int mask_cols[kConsumerWarpgroups][2][4 * kBlockN];
+        // The ring of queued key blocks (fwd_kernel.h): each one's ticket and, for a block the
+        // intervals cut partly, its raw [BlockN, C] mask columns.
+        int tickets[kSlots];
+        alignas(16) int mask_cols[kSlots][4 * kBlockN];
         cutlass::arch::ClusterTransactionBarrier barrier_q;
         int next_job;  // the job the producer hands to the consumers (tile_scheduler.h)
         typename Pipeline::SharedStorage pipeline_k;

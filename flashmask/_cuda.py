@@ -180,10 +180,15 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
     ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.arch = causal, softmax_scale, deterministic, arch
+    # An unused LSE (return_lse=False, the common case) then reaches the backward as None rather
+    # than as a zeroed [B, Hq, Sq] tensor allocated, filled and read on every step.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+    if dout is None:  # only the LSE reached the loss
+        dout = torch.zeros_like(out)
     dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dlse, startend_row_indices, ctx.causal,
                      ctx.softmax_scale, ctx.deterministic, ctx.arch)
     return dq, dk, dv, None, None, None, None, None, None

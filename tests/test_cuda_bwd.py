@@ -121,6 +121,27 @@ def test_lse_gradient_and_scale():
     check_backward(q, k, v, random_startend(1, 1, 400, 333, False, 4, device="cuda"), False, dlse=True, scale=0.2)
 
 
+def test_gradient_through_the_lse_alone():
+    """A loss that reads only the LSE gives the backward no dO (autograd passes None, not zeros)."""
+    q, k, v = make_qkv(1, 300, 257, 4, 2, HEAD_DIMS[-1], DTYPES[-1])
+    cuda_cases.skip_unless_backend_serves(q)
+    mask, dl = random_startend(1, 2, 300, 257, True, 2, device="cuda"), torch.randn(1, 4, 300, device="cuda")
+
+    def lse_grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        lse = fn(*leaves)[1]
+        gs = torch.autograd.grad((torch.where(torch.isfinite(lse), lse, 0).float() * dl).sum(), leaves,
+                                 allow_unused=True)  # the reference's LSE does not depend on V
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, gs)]
+
+    got = lse_grads(lambda a, b, c: flashmask.flashmask_attention(a, b, c, mask, causal=True, return_lse=True,
+                                                                  backend=cuda_cases.BACKEND))
+    ref = lse_grads(lambda a, b, c: reference_attention(a.float(), b.float(), c.float(), mask, causal=True))
+    low = lse_grads(lambda a, b, c: low_precision_attention(a, b, c, mask, True, None))
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        assert max_err(g, r) <= error_bound(lo, r), name
+    assert got[2].abs().max() == 0  # dV = P^T dO with dO = 0
+
 def test_fully_masked_rows_have_zero_gradients():
     sq = sk = 700
     mask = torch.stack([torch.full((1, 1, sk), sq), torch.full((1, 1, sk), 300)], -1).int().cuda()

@@ -97,8 +97,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         use_cuda = False
 
     if use_cuda:
-        out, lse = _cuda.fwd(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0,
-                             _cuda.ARCHS.get(backend, 0))
+        out, lse = _cuda.attention(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0,
+                                   _cuda.ARCHS.get(backend, 0))
     else:
         out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale)
     return (out, lse) if return_lse else out

@@ -52,13 +52,13 @@ def models(kind, seed=0):
 class KernelSpy:
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = flashmask.attention._cuda.fwd
+        real = flashmask.attention._cuda.attention
 
-        def fwd(*a, **k):
+        def attention(*a, **k):
             self.calls += 1
             return real(*a, **k)
 
-        monkeypatch.setattr(flashmask.attention._cuda, "fwd", fwd)
+        monkeypatch.setattr(flashmask.attention._cuda, "attention", attention)
 
 
 def check_close(got, want32, base16, what):

@@ -79,6 +79,16 @@ def test_no_grad_calls_only_the_forward(ext):
     assert ext.calls == ["fwd"] and out.grad_fn is None and lse.shape == (2, 4, 37)
 
 
+def test_double_backward_raises(ext):
+    q, k, v, mask = inputs()
+    out, _ = _cuda.attention(q, k, v, mask, True, 0.25, False)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    torch.testing.assert_close(dq, torch.autograd.grad(out.sum(), q, retain_graph=True)[0], rtol=0, atol=0)
+    penalty = dq.pow(2).sum() + q.sum()  # a gradient penalty must not drop the attention silently
+    with pytest.raises(RuntimeError, match="no double backward"):
+        penalty.backward()
+
+
 def test_tracing_gets_the_custom_ops(ext):
     q, k, v, mask = inputs()
     with FakeTensorMode() as mode:

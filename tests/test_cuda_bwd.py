@@ -142,6 +142,7 @@ def test_gradient_through_the_lse_alone():
         assert max_err(g, r) <= error_bound(lo, r), name
     assert got[2].abs().max() == 0  # dV = P^T dO with dO = 0
 
+
 def test_fully_masked_rows_have_zero_gradients():
     sq = sk = 700
     mask = torch.stack([torch.full((1, 1, sk), sq), torch.full((1, 1, sk), 300)], -1).int().cuda()

@@ -1,7 +1,6 @@
 """_cuda.attention: plain eager calls reach the extension through _EagerAttention, with the custom
 ops' gradients; tracing (FakeTensorMode) gets the custom ops. The extension is replaced here by the
 reference path, so this runs on CPU."""
-import types
 
 import pytest
 import torch

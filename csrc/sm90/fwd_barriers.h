@@ -9,7 +9,7 @@ template <int kConsumerWarpgroups>
 struct FwdBarriers {
     static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
     static constexpr bool kPingpong = kConsumerWarpgroups == 2;
-    // The warpgroup's mask and output buffers (its 128 threads): 1, 2 (, 3).
+    // The warpgroup's output buffer (its 128 threads): 1, 2 (, 3).
     __device__ static constexpr int buffers(int wg) { return 1 + wg; }
     // Pingpong only: the turn of warpgroup 0 or 1, which the other one's arrival completes: 3, 4.
     __device__ static constexpr int turn(int wg) { return 3 + wg; }

@@ -65,8 +65,9 @@ struct FwdTraits {
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
     // The producer fills a block's ring slot before it claims the block's K stage; the consumers are
-    // done with a slot once they release the V stage of the block after it, so kStages slots
-    // would do. Two more give slack.
+    // done with a block's slot once they release the V stage of the block they took before it
+    // (that block's P V is waited for after this block's softmax), so kStages slots would do. Two
+    // more give slack.
     static constexpr int kSlots = kStages + 2;
 
     struct SharedStorage {

@@ -44,12 +44,13 @@ struct BwdArgs {
 };
 
 // Named barriers: the consumers' first staging (mask columns, the first block's LSE and D) and dS
-// in shared memory; the dQ tile handed from the consumers to the dQ warp (full) and back (empty).
+// in shared memory; the dQ tile handed from the consumers to a dQ warp (full) and back (empty).
 constexpr int kBwdStagedBarrier = 1;
 constexpr int kBwdDsBarrier = 2;
 constexpr int kBwdDqFullBarrier = 3;
 constexpr int kBwdDqEmptyBarrier = 4;
 constexpr int kBwdStoreBarrier = 5;  // 5 and 6: each consumer warpgroup's dK and dV buffers
+constexpr int kBwdDqFullBarrier2 = 8;  // 8 and 9: the full barriers of the second and third dQ warps
 
 // dst[0, bytes) += src[0, bytes) in fp32, by the TMA unit (a bulk reduction; part of the issuing
 // thread's bulk group: cute::tma_store_arrive commits it, cute::tma_store_wait waits for its reads).
@@ -79,13 +80,23 @@ __forceinline__ __device__ void pass_turn(int* sem, int next) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
 }
 
-// The dQ warp: each query block's dQ tile goes from shared memory into the fp32 accumulator by one
-// bulk reduction, off the consumers' path; with p.dq_semaphore, in turn (above). The buffer goes
-// back to the consumers as soon as the reduction has read it, so that they wait for a late turn
-// only when their next tile is ready too.
-template <typename Traits, typename Walk>
-__device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, int turn, int h, int b, int m_first,
-                        int m_end, int handoff_threads) {
+// dQ warp `slot` of kDqWarps: the job's visible query blocks go to the dQ warps in turn, and each
+// block's dQ tile goes from shared memory into the fp32 accumulator by one bulk reduction, off the
+// consumers' path; with p.dq_semaphore, in turn (above). The buffer goes back to the consumers as
+// soon as the reduction has read it, so that they wait for a late turn only when their next tile is
+// ready too; in deterministic mode the warp then holds the block's turn until the addition is
+// complete in global memory, while the next warp already waits for the next block's turn (with one
+// warp that completion bounded every step). Each warp takes its tiles on its own full barrier: one
+// shared barrier would let a warp early for its tile complete another's phase. Returns whether this
+// warp holds the buffer once the job is done (it read the last tile, or the job has none: slot 0).
+template <int kDqWarps>
+__forceinline__ __device__ int dq_full_barrier(int slot) {
+    return slot == 0 ? kBwdDqFullBarrier : kBwdDqFullBarrier2 + slot - 1;
+}
+
+template <typename Traits, int kDqWarps, typename Walk>
+__device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, int turn, int h, int b, int m_first,
+                        int m_end, int slot, int handoff_threads) {
     constexpr int kTile = Traits::kBlockM * Traits::kHeadDim;
     const int lane = threadIdx.x % 32;
     float* dq_accum = p.dq_accum + (int64_t(b) * p.hq + h) * int64_t(m_end) * kTile;
@@ -97,34 +108,47 @@ __device__ void dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
             pass_turn(sem + m, turn + 1);
         }
     };
-    int passed = 0;  // deterministic: the query blocks below this one have had this key block's turn
-    if (m_first < m_end) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
-    for (int m = m_first; m < m_end;) {
+    if (m_first >= m_end) {
+        if (sem != nullptr && slot == 0) pass_unseen(0, m_end);
+        return slot == 0;
+    }
+    if (slot == 0) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
+    int from = 0;  // deterministic: the blocks below it have had this key block's turn or are another warp's
+    bool last = false;
+    for (int m = m_first, k = 0; m < m_end; ++k) {
         const int m_next = walk.visible_at_or_above(m + 1);
-        if (sem != nullptr) {  // while the consumers compute this block's dQ
-            pass_unseen(passed, m);
-            if (lane == 0) wait_turn(sem + m, turn);
-            passed = m + 1;
+        last = m_next >= m_end;
+        if (k % kDqWarps == slot) {
+            if (sem != nullptr) {  // while the consumers compute this block's dQ
+                pass_unseen(from, m);
+                if (lane == 0) wait_turn(sem + m, turn);
+            }
+            cutlass::arch::NamedBarrier::sync(handoff_threads, dq_full_barrier<kDqWarps>(slot));
+            if (lane == 0) {
+                if (sem != nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // after the acquire
+                bulk_reduce_add(dq_accum + int64_t(m) * kTile, smem_dq, kTile * int(sizeof(float)));
+                tma_store_arrive();
+                tma_store_wait<0>();  // read out of shared memory
+            }
+            __syncwarp();
+            if (!last) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
+            if (sem != nullptr) {
+                if (lane == 0) {
+                    // Complete in global memory (not only read from shared memory) before the turn passes.
+                    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+                    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+                    pass_turn(sem + m, turn + 1);
+                }
+                __syncwarp();
+                if (last) pass_unseen(m + 1, m_end);
+            }
+        } else if (last) {
+            return false;
         }
-        cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqFullBarrier);
-        if (lane == 0) {
-            if (sem != nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // after the acquire
-            bulk_reduce_add(dq_accum + int64_t(m) * kTile, smem_dq, kTile * int(sizeof(float)));
-            tma_store_arrive();
-            tma_store_wait<0>();  // read out of shared memory
-        }
-        __syncwarp();
-        if (m_next < m_end) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
-        if (sem != nullptr && lane == 0) {
-            // Complete in global memory (not only read from shared memory) before the turn passes.
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            asm volatile("fence.proxy.async.global;\n" ::: "memory");
-            pass_turn(sem + m, turn + 1);
-        }
-        __syncwarp();
+        from = m + 1;
         m = m_next;
     }
-    if (sem != nullptr) pass_unseen(passed, m_end);
+    return true;
 }
 
 // What a job means: its keys, heads and mask slice and the query blocks that see the keys;
@@ -161,7 +185,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int warp_group = threadIdx.x / 128;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const BwdScheduler<Traits::kConsumerThreads, Traits::kPersistent> scheduler(p, kBlockN);
+    constexpr int kDqWarps = kBwdDqWarps;
+    const BwdScheduler<Traits::kConsumerThreads, Traits::kPersistent, kDqWarps> scheduler(p, kBlockN);
     const int causal_offset = p.sk - p.sq;
 
     // Barriers: K and V's (one arrival with its byte count, one phase per job that loads them), the
@@ -180,18 +205,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
-    constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and the dQ warp
+    constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and one dQ warp
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
-        if (warp > 1) return;
-        if (warp == 1) {
-            // The dQ warp, job after job (deterministic: also the jobs whose keys see no query).
-            // Persistent, after each job's last tile has been read it hands the buffer to dK and dV.
+        if (warp > kDqWarps) return;
+        if (warp >= 1) {
+            // A dQ warp, job after job (deterministic: also the jobs whose keys see no query).
+            // Persistent, the warp that read a job's last tile hands the buffer to dK and dV.
             for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
                 const Job job(p, scheduler.job(p, x));
-                dq_warp<Traits>(p, job.walk, shared.dq, /*turn=*/job.n_block, job.h, job.b, job.m_first, job.m_end,
-                                kDqHandoff);
-                if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
+                const bool holds = dq_warp<Traits, kDqWarps>(p, job.walk, shared.dq, /*turn=*/job.n_block, job.h, job.b,
+                                                             job.m_first, job.m_end, warp - 1, kDqHandoff);
+                if (Traits::kPersistent && holds) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
             }
             return;
         }
@@ -320,7 +345,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
             shared.barrier_kv.wait(kv_phase);
             kv_phase ^= 1;
-            for (bool more = true; more;) {
+            for (int tile = 0, more = true; more; ++tile) {
                 pipeline_q.consumer_wait(state);
                 const BlockTicket ticket{shared.tickets[taken++ % Traits::kTickets]};
                 const int r0 = ticket.block() * kBlockM;
@@ -388,7 +413,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                         make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
                 }
                 cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
-                cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqFullBarrier);
+                cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier<kDqWarps>(tile % kDqWarps));
             }
             // Every GEMM of this job is done: the producer may load the next job's K and V.
             if constexpr (Traits::kPersistent) shared.kv_free.arrive();

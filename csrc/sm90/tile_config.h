@@ -47,6 +47,17 @@ struct BwdTile {
 #ifndef FLASHMASK_SM90_BWD_PERSISTENT128
 #define FLASHMASK_SM90_BWD_PERSISTENT128 true
 #endif
+// Warps of the producer warpgroup that add dQ tiles to the accumulator, taking a job's visible query
+// blocks in turn. In deterministic mode each holds its block's turn until the addition is complete in
+// global memory; with one such warp that wait bounded every step. Two: the deterministic backward
+// 1.2-1.6x faster (full 32K D=128 328 -> 503 TFLOP/s), the atomic one unchanged; three: no better
+// (docs/perf_notes.md, version 32).
+#ifndef FLASHMASK_SM90_BWD_DQ_WARPS
+#define FLASHMASK_SM90_BWD_DQ_WARPS 2
+#endif
+constexpr int kBwdDqWarps = FLASHMASK_SM90_BWD_DQ_WARPS;
+static_assert(kBwdDqWarps >= 1 && kBwdDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
+
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
                                     FLASHMASK_SM90_BWD_PERSISTENT64}

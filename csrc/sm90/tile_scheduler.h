@@ -82,11 +82,11 @@ struct BwdJob {
 // deterministic mode), of the SM80 backward's grid (launch_order.h: heads in groups of
 // p.head_group, key blocks ascending, so that causal key blocks, which see the most queries, come
 // first). kPersistent: one CTA per SM draws them like the forward's, and the producer warp
-// publishes each next job into a one-job slot that the consumer warpgroups and the dQ warp all
+// publishes each next job into a one-job slot that the consumer warpgroups and the dQ warps all
 // read; otherwise each CTA takes the job of its index and ends with it.
-template <int kConsumerThreads, bool kPersistent>
+template <int kConsumerThreads, bool kPersistent, int kDqWarps>
 struct BwdScheduler {
-    static constexpr int kThreads = 32 + kConsumerThreads + 32;  // producer warp, consumers, dQ warp
+    static constexpr int kThreads = 32 + kConsumerThreads + 32 * kDqWarps;  // producer, consumers, dQ warps
     static constexpr int kJobFull = 7, kJobEmpty = 0;  // named barriers (bwd_kernel.h uses 1-6)
     int n_blocks, num_jobs;
 
@@ -114,7 +114,7 @@ struct BwdScheduler {
         return next;
     }
 
-    // Consumers and the dQ warp, after finishing a job: the next one (the slot is released only if
+    // Consumers and the dQ warps, after finishing a job: the next one (the slot is released only if
     // the producer will publish again).
     __device__ int take_next(const int& slot) const {
         if constexpr (!kPersistent) return num_jobs;

@@ -12,7 +12,7 @@
 // tile needs (block_ticket.h), so that the consumers walk nothing. Two consumer warpgroups own 64
 // keys each: S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
 // dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
-// warpgroups split by head dim and hand to a second producer warp, which adds each tile to the
+// warpgroups split by head dim and hand to two more producer warps in turn, which add each tile to the
 // fp32 dQ accumulator with one bulk reduction. dK and dV leave by TMA store.
 #pragma once
 #include <cute/tensor.hpp>
@@ -89,7 +89,6 @@ __forceinline__ __device__ void pass_turn(int* sem, int next) {
 // warp that completion bounded every step). Each warp takes its tiles on its own full barrier: one
 // shared barrier would let a warp early for its tile complete another's phase. Returns whether this
 // warp holds the buffer once the job is done (it read the last tile, or the job has none: slot 0).
-template <int kDqWarps>
 __forceinline__ __device__ int dq_full_barrier(int slot) {
     return slot == 0 ? kBwdDqFullBarrier : kBwdDqFullBarrier2 + slot - 1;
 }
@@ -123,7 +122,7 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
                 pass_unseen(from, m);
                 if (lane == 0) wait_turn(sem + m, turn);
             }
-            cutlass::arch::NamedBarrier::sync(handoff_threads, dq_full_barrier<kDqWarps>(slot));
+            cutlass::arch::NamedBarrier::sync(handoff_threads, dq_full_barrier(slot));
             if (lane == 0) {
                 if (sem != nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // after the acquire
                 bulk_reduce_add(dq_accum + int64_t(m) * kTile, smem_dq, kTile * int(sizeof(float)));
@@ -405,7 +404,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 warpgroup_wait<0>();
                 pipeline_q.consumer_release(state);
                 ++state;
-                // dQ to the dQ warp's buffer once it has sent the last one.
+                // dQ to the dQ warps' buffer once the last one has been sent.
                 cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
                 CUTE_UNROLL
                 for (int v = 0; v < size(acc_dq); v += 4) {
@@ -413,7 +412,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                         make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
                 }
                 cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
-                cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier<kDqWarps>(tile % kDqWarps));
+                cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier(tile % kDqWarps));
             }
             // Every GEMM of this job is done: the producer may load the next job's K and V.
             if constexpr (Traits::kPersistent) shared.kv_free.arrive();
@@ -421,10 +420,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
 
         // dK (scaled by the softmax scale) and dV of this query head's slice; a key block no query
         // sees writes zeros. Persistent: one after the other through the dQ buffer, once the dQ warp
-        // has sent the last dQ tile; before the buffer takes the next job's dQ, the TMA unit has
-        // read dV (each warpgroup waits for its store here, and the next dQ hand-over waits for
-        // both). Otherwise through the Q and dO buffers: the other warpgroup's GEMMs, their last
-        // readers, finished before the last dQ hand-over.
+        // that read the last dQ tile is done with it; before the buffer takes the next job's dQ, the
+        // TMA unit has read dV (each warpgroup waits for its store here, and the next dQ hand-over
+        // waits for both). Otherwise through the Q and dO buffers: the other warpgroup's GEMMs, their
+        // last readers, finished before the last dQ hand-over.
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
         using Store = typename Traits::KVStore;

@@ -102,7 +102,7 @@ struct BwdTraits {
         alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
         cutlass::arch::ClusterTransactionBarrier barrier_kv;
         cutlass::arch::ClusterBarrier kv_free;  // the consumers are done with a job's K and V
-        int next_job;  // the job the producer hands to the consumers and the dQ warp (tile_scheduler.h)
+        int next_job;  // the job the producer hands to the consumers and the dQ warps (tile_scheduler.h)
         typename Pipeline::SharedStorage pipeline_q;  // Q and dO of a query block travel together
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));

@@ -487,15 +487,27 @@ def init_parallel(args) -> Parallel:
 
 def finish_parallel(par: Parallel) -> None:
     """Tears the process groups down (call it in a ``finally``). After a clean run the ranks first
-    wait for each other: a gloo rank that tore its groups down while a peer was still finishing
-    the last collective once aborted that peer at exit (SIGABRT, "terminate called without an
-    active exception"). After an error there is no barrier: a peer may be gone."""
+    wait for each other, through a barrier and then through the rendezvous store: a gloo rank that
+    tore its groups down while a peer was still finishing the last collective (the barrier itself,
+    too) aborted that peer at exit (SIGABRT, "terminate called without an active exception"). The
+    store is not one of the groups' connections, so once every rank has counted itself there none
+    is in flight. After an error there is no wait: a peer may be gone."""
     if par.distributed:
         import torch.distributed as dist
         if dist.is_initialized():
             if sys.exc_info()[0] is None:
                 dist.barrier()
+                _wait_for_every_rank(dist, "flashmask/finished")
             dist.destroy_process_group()
+
+
+def _wait_for_every_rank(dist, key: str, timeout_s: float = 60.0) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def run_parallel(args, run):

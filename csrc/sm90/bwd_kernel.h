@@ -113,10 +113,9 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
     }
     if (slot == 0) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
     int from = 0;  // deterministic: the blocks below it have had this key block's turn or are another warp's
-    bool last = false;
     for (int m = m_first, k = 0; m < m_end; ++k) {
         const int m_next = walk.visible_at_or_above(m + 1);
-        last = m_next >= m_end;
+        const bool last = m_next >= m_end;
         if (k % kDqWarps == slot) {
             if (sem != nullptr) {  // while the consumers compute this block's dQ
                 pass_unseen(from, m);

@@ -50,7 +50,7 @@ struct BwdTile {
 // Warps of the producer warpgroup that add dQ tiles to the accumulator, taking a job's visible query
 // blocks in turn. In deterministic mode each holds its block's turn until the addition is complete in
 // global memory; with one such warp that wait bounded every step. Two: the deterministic backward
-// 1.2-1.6x faster (full 32K D=128 328 -> 503 TFLOP/s), the atomic one unchanged; three: no better
+// 1.07-1.54x faster (full 32K D=128 328 -> 503 TFLOP/s), the atomic one unchanged; three: no better
 // (docs/perf_notes.md, version 32).
 #ifndef FLASHMASK_SM90_BWD_DQ_WARPS
 #define FLASHMASK_SM90_BWD_DQ_WARPS 2

@@ -6,6 +6,7 @@ Environment switches:
   FLASHMASK_DTYPES      "fp16", "bf16" or both (default: both)
   FLASHMASK_ARCHS       CUDA archs, e.g. "90" or "80;90" (default: "80;90"); "90" also builds the
                         SM90 (wgmma/TMA) kernels, compiled for sm_90a
+  FLASHMASK_PTXAS_VERBOSE  set: ptxas reports registers, spills and serialised wgmma (C7518) per kernel
 The instantiations themselves are listed once, in csrc/instantiations.py, which writes their
 translation units under build/generated/.
 CuTe/CUTLASS headers come from the nvidia-cutlass wheel (`pip install nvidia-cutlass`), or from
@@ -89,10 +90,7 @@ def _cuda_extension():
         a = a.rstrip("a")
         target = f"{a}a" if a == "90" and sm90a else a
         gencode += ["-gencode", f"arch=compute_{target},code=sm_{target}"]
-    nvcc = ["-O3", "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
-            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-            "-lineinfo", "--threads", "2"] + gencode
+    nvcc = list(inst.NVCC_FLAGS) + ["--threads", "2"] + gencode
     if os.environ.get("FLASHMASK_PTXAS_VERBOSE"):
         nvcc += ["-Xptxas", "-v"]
     return CUDAExtension(

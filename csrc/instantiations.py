@@ -45,6 +45,12 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
 ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 128)}
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
+# nvcc flags of every translation unit; setup.py adds one -gencode per arch, and
+# scripts/compile_check.py compiles single units with them to read ptxas's report.
+NVCC_FLAGS: Tuple[str, ...] = ("-O3", "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+                               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                               "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                               "-lineinfo")
 # The registry's kernel slots: a family fills those it has.
 SLOTS: Tuple[str, ...] = ("fwd", "bwd_kv", "bwd_dq")
 

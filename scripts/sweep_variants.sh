@@ -30,13 +30,16 @@ for v in "${VARS[@]}"; do
     defs=""; IFS=, read -r -a kvs <<< "$flags"
     for kv in "${kvs[@]}"; do [ -n "$kv" ] && defs+="#define FLASHMASK_SM90_${kv%%=*} ${kv#*=}"$'\n'; done
     printf '%s' "$defs" | cat - "$src/csrc/sm90/tile_config.h" > "$dir/csrc/sm90/tile_config.h"
-    ( cd "$dir" && FLASHMASK_BUILD_CUDA=1 FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=$HEAD_DIM FLASHMASK_DTYPES=$DTYPE \
+    ( cd "$dir" && FLASHMASK_BUILD_CUDA=1 FLASHMASK_PTXAS_VERBOSE=1 FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=$HEAD_DIM FLASHMASK_DTYPES=$DTYPE \
         MAX_JOBS=$jobs python3 setup.py build_ext --inplace > "$OUT/build_$name.log" 2>&1 \
         || echo "BUILD FAILED: $name" ) &
     export "V_$name=$dir"
 done
 wait
 echo "built ${#VARS[@]} variants in $(( $(date +%s) - t0 )) s"
+for v in "${VARS[@]}"; do  # a serialised wgmma (ptxas C7518) explains a loss before any timing does
+    n=$(grep -c C7518 "$OUT/build_${v%%=*}.log"); [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: wgmma serialized in $n kernels"
+done
 if [ -n "${TESTS:-}" ]; then
     for v in "${VARS[@]}"; do
         name=${v%%=*}

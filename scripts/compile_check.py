@@ -1,0 +1,139 @@
+"""Compile one kernel instantiation here, without a GPU, and report what ptxas says of each of its
+kernels: registers, spills, and whether wgmma is serialised (ptxas advisory C7518).
+
+A serialised wgmma costs a Hopper kernel more than most changes gain: the tried per-warpgroup skip
+of the SM90 forward (branch sm90-fwd-wg-skip, docs/perf_notes.md) issued wgmma on a path ptxas took
+as divergent, was serialised in every head dim 64 variant and lost 7-41% on the H100. Run this on a
+kernel change before spending GPU time on it:
+
+    python scripts/compile_check.py --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
+    python scripts/compile_check.py --arch sm90 --kernel bwd_kv --head-dim 128 -D FLASHMASK_SM90_BWD_DQ_WARPS=1
+
+Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
+without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised (or spills,
+with --fail-on-spills: some head dim 64 forward variants on main spill a few bytes).
+"""
+import argparse
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(HERE, "csrc")
+
+
+def _instantiations():
+    spec = importlib.util.spec_from_file_location("flashmask_instantiations", os.path.join(CSRC, "instantiations.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_ptxas(log: str) -> Dict[str, dict]:
+    """Per kernel (mangled name, in the order compiled): registers, spill bytes, serialised wgmma."""
+    kernels: Dict[str, dict] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            current = kernels.setdefault(m.group(1), dict(registers=None, spill_stores=0, spill_loads=0,
+                                                          wgmma_serialized=False))
+            continue
+        m = re.search(r"\(C7518\).*in the function '([^']+)'", line)
+        if m:  # ptxas may print it before the function's own lines
+            kernels.setdefault(m.group(1), dict(registers=None, spill_stores=0, spill_loads=0,
+                                                wgmma_serialized=False))["wgmma_serialized"] = True
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current is not None:
+            current["spill_stores"], current["spill_loads"] = int(m.group(1)), int(m.group(2))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current is not None:
+            current["registers"] = int(m.group(1))
+    return kernels
+
+
+def cxx_standard() -> str:
+    """The C++ standard torch's extension builder passes nvcc (its headers need it)."""
+    import torch.utils.cpp_extension as cpp
+    with open(cpp.__file__) as f:
+        found = re.findall(r"-std=c\+\+(\d+)", f.read())
+    return f"-std=c++{max(found, key=int)}" if found else "-std=c++17"
+
+
+def nvcc_command(unit: str, out: str, arch: str, includes: List[str], defines: List[str], flags,
+                 std: str = "-std=c++17") -> List[str]:
+    target = "90a" if arch == "sm90" else "80"
+    cmd = ["nvcc", *flags, std, "-gencode", f"arch=compute_{target},code=sm_{target}", "-Xptxas", "-v"]
+    cmd += [f"-I{d}" for d in includes] + [f"-D{d}" for d in defines]
+    return cmd + ["-c", unit, "-o", out]
+
+
+def _demangle(names: List[str]) -> List[str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if tool is None:
+        return names
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return out if len(out) == len(names) else names
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="sm90", choices=["sm80", "sm90"])
+    parser.add_argument("--kernel", default="fwd", help="fwd, bwd_kv or bwd_dq (csrc/instantiations.py KERNELS)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
+    parser.add_argument("-D", dest="defines", action="append", default=[], help="a macro, e.g. FLASHMASK_SM90_FWD_WG64=2")
+    parser.add_argument("--keep", default=None, help="write the object file here (for cuobjdump -sass)")
+    parser.add_argument("--fail-on-spills", action="store_true")
+    args = parser.parse_args()
+
+    inst = _instantiations()
+    if args.kernel not in inst.KERNELS[args.arch]:
+        parser.error(f"{args.arch} has no kernel {args.kernel!r}: {sorted(inst.KERNELS[args.arch])}")
+    try:
+        import torch.utils.cpp_extension as cpp
+        spec = importlib.util.find_spec("cutlass_library")
+    except ImportError as e:
+        print(f"needs torch (a CUDA build) and nvidia-cutlass: {e}", file=sys.stderr)
+        return 2
+    if spec is None:
+        print("needs the nvidia-cutlass wheel (pip install nvidia-cutlass==4.2.0.0)", file=sys.stderr)
+        return 2
+    cutlass = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = inst.generate(tmp, [inst.Instantiation(args.arch, args.kernel, args.head_dim, args.dtype)])[0]
+        includes = [CSRC, tmp, cutlass, *cpp.include_paths(device_type="cuda"), sysconfig.get_paths()["include"]]
+        # A pip-installed CUDA torch brings the CUDA library headers (cusparse.h, ...) in nvidia/*/include.
+        nvidia = importlib.util.find_spec("nvidia")
+        for root in (nvidia.submodule_search_locations if nvidia else []):
+            includes += sorted(glob.glob(os.path.join(root, "*", "include")))
+        out = args.keep or os.path.join(tmp, "unit.o")
+        cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard())
+        print(f"compiling {os.path.basename(unit)} {' '.join('-D' + d for d in args.defines)}", flush=True)
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(run.stderr[:3000], file=sys.stderr)  # the first errors explain the rest
+        return run.returncode
+    kernels = parse_ptxas(run.stdout + run.stderr)
+    names = _demangle(list(kernels))
+    bad = False
+    print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s}  kernel")
+    for name, k in zip(names, kernels.values()):
+        spills = k["spill_stores"] + k["spill_loads"]
+        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills)
+        print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
+              f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s}  {name[:160]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

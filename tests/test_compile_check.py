@@ -1,0 +1,40 @@
+"""scripts/compile_check.py: reading ptxas's report (the compile itself needs nvcc and a CUDA torch)."""
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import compile_check  # noqa: E402
+
+# The shape of `nvcc -Xptxas -v` output, advisory first as ptxas prints it.
+LOG = """\
+ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to \
+program dependence on compiler-inserted WG.DP in divergent path in the function '_Z6kernelILb1EEvv'
+ptxas info    : Compiling entry function '_Z6kernelILb0EEvv' for 'sm_90a'
+ptxas info    : Function properties for _Z6kernelILb0EEvv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+ptxas info    : Compiling entry function '_Z6kernelILb1EEvv' for 'sm_90a'
+ptxas info    : Function properties for _Z6kernelILb1EEvv
+    8 bytes stack frame, 48 bytes spill stores, 72 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+"""
+
+
+def test_parse_ptxas():
+    got = compile_check.parse_ptxas(LOG)
+    assert list(got) == ["_Z6kernelILb1EEvv", "_Z6kernelILb0EEvv"]
+    assert got["_Z6kernelILb0EEvv"] == dict(registers=168, spill_stores=0, spill_loads=0, wgmma_serialized=False)
+    assert got["_Z6kernelILb1EEvv"] == dict(registers=128, spill_stores=48, spill_loads=72, wgmma_serialized=True)
+
+
+def test_nvcc_command():
+    cmd = compile_check.nvcc_command("u.cu", "u.o", "sm90", ["/inc"], ["A=2"], ("-O3",), "-std=c++20")
+    assert cmd[:3] == ["nvcc", "-O3", "-std=c++20"]
+    assert "arch=compute_90a,code=sm_90a" in cmd and "-I/inc" in cmd and "-DA=2" in cmd
+    assert cmd[-4:] == ["-c", "u.cu", "-o", "u.o"]
+    assert "arch=compute_80,code=sm_80" in compile_check.nvcc_command("u.cu", "u.o", "sm80", [], [], ())
+
+
+def test_cxx_standard_is_torchs():
+    assert re.fullmatch(r"-std=c\+\+\d\d", compile_check.cxx_standard())

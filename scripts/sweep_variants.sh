@@ -8,12 +8,13 @@
 #                                    branch, taken here by `git archive BRANCH | tar -x -C .ab/new`;
 #                                    .ab/ is not ignored, so it travels with the working tree)
 #   TESTS="tests/test_cuda_bwd.py"   run these GPU tests in each variant before the timings
+#   TEST_VARIANTS="next lead"        only in these variants (default: every one)
 #   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
 #   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
 #                                    folder (e.g. ncu)
-# Prints one line per (family, seqlen) with each variant's TFLOP/s, also written to $OUT/sweep.csv
-# (each variant's own CSV stays under $OUT/<name>/).
+# Prints one line per (head dim, family, seqlen, mode) with each variant's TFLOP/s (scripts/sweep_table.py),
+# also written to $OUT/sweep.csv (each variant's own CSV stays under $OUT/<name>/).
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}; MODES=${MODES:-fwd}
@@ -43,6 +44,7 @@ done
 if [ -n "${TESTS:-}" ]; then
     for v in "${VARS[@]}"; do
         name=${v%%=*}
+        [[ -n "${TEST_VARIANTS:-}" && " $TEST_VARIANTS " != *" $name "* ]] && continue
         ( cd "/tmp/variant_$name" && timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider $TESTS \
             > "$OUT/tests_$name.log" 2>&1; echo "tests $name: $(tail -1 "$OUT/tests_$name.log")" )
     done
@@ -54,26 +56,6 @@ for v in "${VARS[@]}"; do
         || { echo "BENCH FAILED: $name"; tail -5 "$OUT/bench_$name.log"; } )
 done
 [ -n "${AFTER:-}" ] && eval "$AFTER"
-python3 - "$OUT" "${VARS[@]}" <<'EOF'
-import csv, sys, os
-out, names = sys.argv[1], [v.split("=", 1)[0] for v in sys.argv[2:]]
-rows = {}
-for n in names:
-    path = os.path.join(out, n, "kernels.csv")
-    if not os.path.exists(path):
-        continue
-    for r in csv.DictReader(open(path)):
-        if r["status"] == "ok":
-            col = n if r["method"] == "flashmask" else f"{n}_{r['method'].removeprefix('flashmask_')}"
-            rows.setdefault((int(r["head_dim"]), r["family"], int(r["seqlen"])), {})[col] = float(r["tflops"])
-names = [c for n in names for c in (n, f"{n}_det") if any(c in d for d in rows.values())]
-print(f"{'D':>3s} {'family':24s} {'seqlen':>7s} " + " ".join(f"{n:>9s}" for n in names))
-with open(os.path.join(out, "sweep.csv"), "w", newline="") as f:
-    table = csv.writer(f)
-    table.writerow(["head_dim", "family", "seqlen"] + names)
-    for (hd, fam, s), d in sorted(rows.items()):
-        print(f"{hd:3d} {fam:24s} {s:7d} " + " ".join(f"{d.get(n, float('nan')):9.1f}" for n in names))
-        table.writerow([hd, fam, s] + [d.get(n, "") for n in names])
-EOF
+python3 scripts/sweep_table.py "$OUT" "${VARS[@]%%=*}"
 # The device tool brings back only a few files: the JSON twins of the variants' CSVs would crowd out the rest.
 rm -f "$OUT"/*/kernels.json

@@ -27,13 +27,8 @@ from typing import Dict, List
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(HERE, "csrc")
-
-
-def _instantiations():
-    spec = importlib.util.spec_from_file_location("flashmask_instantiations", os.path.join(CSRC, "instantiations.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, CSRC)
+import instantiations as inst  # noqa: E402  (the one list of kernels, csrc/instantiations.py)
 
 
 def parse_ptxas(log: str) -> Dict[str, dict]:
@@ -96,7 +91,6 @@ def main() -> int:
     parser.add_argument("--fail-on-spills", action="store_true")
     args = parser.parse_args()
 
-    inst = _instantiations()
     if args.kernel not in inst.KERNELS[args.arch]:
         parser.error(f"{args.arch} has no kernel {args.kernel!r}: {sorted(inst.KERNELS[args.arch])}")
     try:

@@ -55,13 +55,13 @@ def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, ch
         counts["computed"] += int((visited * size).sum())
         counts["tiles"] += int(visited.sum())
         counts["partial"] += int((visited & (per_tile < size)).sum())
-        # Per warpgroup: the tile's visited blocks up to the last one its own rows see.
-        per_wg = padded.view(b, hm, m_tiles, block_m // sub, sub, n_tiles, block_n).any(6).any(4)
-        n = torch.arange(n_tiles)
-        last_seen = torch.where(per_wg, n, -1).amax(-1, keepdim=True)  # [B, Hm, m_tiles, wgs, 1]
-        walked = visited.unsqueeze(3) & (n <= last_seen)
-        wg_rows = (torch.arange(m_tiles * block_m).view(m_tiles, -1, sub) < m).sum(-1)  # real rows
-        counts["computed_leading"] += int((walked * wg_rows.view(m_tiles, -1, 1) * widths).sum())
+        if warpgroup_rows:  # per warpgroup: the tile's visited blocks up to the last one its rows see
+            per_wg = padded.view(b, hm, m_tiles, block_m // sub, sub, n_tiles, block_n).any(6).any(4)
+            n = torch.arange(n_tiles)
+            last_seen = torch.where(per_wg, n, -1).amax(-1, keepdim=True)  # [B, Hm, m_tiles, wgs, 1]
+            walked = visited.unsqueeze(3) & (n <= last_seen)
+            wg_rows = (torch.arange(m_tiles * block_m).view(m_tiles, -1, sub) < m).sum(-1)  # real rows
+            counts["computed_leading"] += int((walked * wg_rows.view(m_tiles, -1, 1) * widths).sum())
     if not warpgroup_rows:
         del counts["computed_leading"]
     return counts

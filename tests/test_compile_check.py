@@ -38,3 +38,14 @@ def test_nvcc_command():
 
 def test_cxx_standard_is_torchs():
     assert re.fullmatch(r"-std=c\+\+\d\d", compile_check.cxx_standard())
+
+
+def test_unknown_kernel_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["compile_check.py", "--arch", "sm90", "--kernel", "bwd_dq"])
+    try:
+        compile_check.main()
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("an unknown kernel must be refused")
+    assert "sm90 has no kernel 'bwd_dq'" in capsys.readouterr().err

@@ -8,6 +8,7 @@ kernel change before spending GPU time on it:
 
     python scripts/compile_check.py --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
     python scripts/compile_check.py --arch sm90 --kernel bwd_kv --head-dim 128 -D FLASHMASK_SM90_BWD_DQ_WARPS=1
+    python scripts/compile_check.py --arch sm90 --source csrc/common/bwd_dsum.cu
 
 Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
 without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised (or spills,
@@ -89,9 +90,11 @@ def main() -> int:
     parser.add_argument("-D", dest="defines", action="append", default=[], help="a macro, e.g. FLASHMASK_SM90_FWD_WG64=2")
     parser.add_argument("--keep", default=None, help="write the object file here (for cuobjdump -sass)")
     parser.add_argument("--fail-on-spills", action="store_true")
+    parser.add_argument("--source", default=None,
+                        help="compile this file instead of an instantiation (e.g. csrc/common/bwd_dsum.cu)")
     args = parser.parse_args()
 
-    if args.kernel not in inst.KERNELS[args.arch]:
+    if args.source is None and args.kernel not in inst.KERNELS[args.arch]:
         parser.error(f"{args.arch} has no kernel {args.kernel!r}: {sorted(inst.KERNELS[args.arch])}")
     try:
         import torch.utils.cpp_extension as cpp
@@ -104,7 +107,8 @@ def main() -> int:
         return 2
     cutlass = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
     with tempfile.TemporaryDirectory() as tmp:
-        unit = inst.generate(tmp, [inst.Instantiation(args.arch, args.kernel, args.head_dim, args.dtype)])[0]
+        unit = os.path.abspath(args.source) if args.source else \
+            inst.generate(tmp, [inst.Instantiation(args.arch, args.kernel, args.head_dim, args.dtype)])[0]
         includes = [CSRC, tmp, cutlass, *cpp.include_paths(device_type="cuda"), sysconfig.get_paths()["include"]]
         # A pip-installed CUDA torch brings the CUDA library headers (cusparse.h, ...) in nvidia/*/include.
         nvidia = importlib.util.find_spec("nvidia")

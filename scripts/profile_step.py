@@ -1,5 +1,6 @@
 """A few flashmask forward+backward steps on one mask family, for a profiler to catch; --time
-prints their median time instead (triton's do_bench), --kernels the time of each CUDA kernel.
+prints their median time instead (triton's do_bench), --kernels the time of each CUDA kernel,
+--host the CPU time per call next to the GPU time (is a short call bound by its launch path?).
 
     ncu --kernel-name regex:bwd_kv_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python3 scripts/profile_step.py --family causal --seqlen 32768
@@ -24,6 +25,8 @@ parser.add_argument("--deterministic", action="store_true")
 parser.add_argument("--no-mask", action="store_true", help="pass no mask tensor (causal or full only)")
 parser.add_argument("--time", action="store_true")
 parser.add_argument("--kernels", action="store_true", help="print each CUDA kernel's time (torch.profiler)")
+parser.add_argument("--host", action="store_true",
+                    help="CPU time per call (calls issued back to back) against the kernels' time per call")
 parser.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd", help="what --time / --kernels run")
 args = parser.parse_args()
 
@@ -66,6 +69,26 @@ elif args.kernels:
         torch.cuda.synchronize()
     print(f"{label}: {args.mode}, CUDA kernels over {args.steps} calls")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+elif args.host:
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+    calls = 200  # few enough launches that the queue never fills and blocks the host
+    timed()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        timed()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            timed()
+        torch.cuda.synchronize()
+    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps
+    benched = [do_bench(timed, warmup=50, rep=300, return_mode="median") * 1e3 for _ in range(3)]
+    print(f"{label}: {args.mode} host {host:.0f} us/call, kernels {gpu:.0f} us/call, "
+          f"do_bench median {' '.join(f'{b:.0f}' for b in benched)} us")
 else:
     for _ in range(args.steps):
         step()

@@ -139,9 +139,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_m, sel.tiles.fwd_block_n,
                 persistent ? Jobs::query_tiles : Jobs::none, meta, stream);
     at::Tensor job_counter;
-    if (persistent) {
-        job_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    if (persistent) {  // a memset, not at::zeros: a fill kernel through the dispatcher costs more host time
+        job_counter = at::empty({1}, q.options().dtype(at::kInt));
         p.job_counter = job_counter.data_ptr<int>();
+        C10_CUDA_CHECK(cudaMemsetAsync(p.job_counter, 0, sizeof(int), stream));
     }
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();

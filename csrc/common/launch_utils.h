@@ -3,15 +3,32 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 namespace flashmask {
 
+// Dynamic shared memory past 48 KiB needs the kernel's attribute raised on each device, once: a
+// driver call on every launch costs microseconds of a short call's host time.
+template <typename Kernel>
+void allow_smem(Kernel kernel, int smem) {
+    if (smem <= 48 * 1024) return;
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    static std::mutex mutex;
+    static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes
+    const std::lock_guard<std::mutex> lock(mutex);
+    int& bytes = allowed[{reinterpret_cast<const void*>(kernel), device}];
+    if (bytes >= smem) return;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    bytes = smem;
+}
+
 template <typename Kernel, typename Params>
 void launch_with_smem(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, cudaStream_t stream) {
-    if (smem > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
+    allow_smem(kernel, smem);
     kernel<<<grid, threads, smem, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -201,12 +201,15 @@ fwd.register_autograd(functools.partial(_grads, bwd_op=bwd), setup_context=_setu
 class _EagerAttention(torch.autograd.Function):
     """The custom ops' autograd without their dispatch: the same kernels, context and gradients."""
 
+    # forward takes ctx itself: with a separate setup_context, Function.apply binds the arguments
+    # to forward's signature through inspect on every call (about 20 us of host time on the H100
+    # machine, more than the extension call's 16 us).
     @staticmethod
-    def forward(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch):
+    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch):
         out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
+        _setup_context(ctx, (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch),
+                       (out, lse))
         return out, lse
-
-    setup_context = staticmethod(_setup_context)
 
     @staticmethod
     def backward(ctx, dout, dlse):

@@ -94,6 +94,8 @@ def main() -> int:
                         help="compile this file instead of an instantiation (e.g. csrc/common/bwd_dsum.cu)")
     args = parser.parse_args()
 
+    if args.source is not None and not os.path.isfile(args.source):
+        parser.error(f"--source {args.source!r}: no such file")
     if args.source is None and args.kernel not in inst.KERNELS[args.arch]:
         parser.error(f"{args.arch} has no kernel {args.kernel!r}: {sorted(inst.KERNELS[args.arch])}")
     try:

@@ -49,3 +49,15 @@ def test_unknown_kernel_is_refused(monkeypatch, capsys):
     else:
         raise AssertionError("an unknown kernel must be refused")
     assert "sm90 has no kernel 'bwd_dq'" in capsys.readouterr().err
+
+
+def test_missing_source_is_refused(monkeypatch, capsys, tmp_path):
+    missing = str(tmp_path / "nothing.cu")
+    monkeypatch.setattr(sys, "argv", ["compile_check.py", "--source", missing])
+    try:
+        compile_check.main()
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("a missing source file must be refused")
+    assert "no such file" in capsys.readouterr().err

@@ -55,11 +55,10 @@ if args.mode == "bwd":
     timed = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731
 else:
     timed = torch.no_grad()(forward) if args.mode == "fwd" else step
-if args.time:
-    from triton.testing import do_bench
-    ms = do_bench(timed, warmup=50, rep=300, return_mode="median")
-    print(f"{label}: {args.mode} {ms:.3f} ms")
-elif args.kernels:
+
+
+def profiled_calls():
+    """torch.profiler's CUDA record of args.steps calls, after one unprofiled call."""
     from torch.profiler import ProfilerActivity, profile
     timed()
     torch.cuda.synchronize()
@@ -67,11 +66,19 @@ elif args.kernels:
         for _ in range(args.steps):
             timed()
         torch.cuda.synchronize()
+    return prof
+
+
+if args.time:
+    from triton.testing import do_bench
+    ms = do_bench(timed, warmup=50, rep=300, return_mode="median")
+    print(f"{label}: {args.mode} {ms:.3f} ms")
+elif args.kernels:
+    prof = profiled_calls()
     print(f"{label}: {args.mode}, CUDA kernels over {args.steps} calls")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 elif args.host:
     import time
-    from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
     calls = 200  # few enough launches that the queue never fills and blocks the host
     timed()
@@ -81,11 +88,7 @@ elif args.host:
         timed()
     host = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            timed()
-        torch.cuda.synchronize()
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps
+    gpu = sum(e.self_device_time_total for e in profiled_calls().key_averages()) / args.steps
     benched = [do_bench(timed, warmup=50, rep=300, return_mode="median") * 1e3 for _ in range(3)]
     print(f"{label}: {args.mode} host {host:.0f} us/call, kernels {gpu:.0f} us/call, "
           f"do_bench median {' '.join(f'{b:.0f}' for b in benched)} us")

@@ -87,6 +87,19 @@ struct KeyBlockWalk {
     __device__ TileCompare compare(int n, const BlockBounds& b) const {
         return tile_compare(Has_mask ? b.v : nullptr, r0, r1, n * kBlockN, kBlockN, sk, Is_causal, causal_offset);
     }
+    // Rows [g0, g1) of the tile (a consumer warpgroup's share) against visible block n: whether
+    // any of them sees the block, and what their compare needs. A window's first and last blocks
+    // are often seen by part of a tall tile only.
+    __device__ bool rows_see(int n, const BlockBounds& b, int g0, int g1) const {
+        g1 = min(g1, r1);
+        if (g0 >= g1) return false;
+        if (Is_causal && n * kBlockN > g1 - 1 + causal_offset) return false;
+        return !Has_mask || !classify_tile(b.v, g0, g1).fully_masked;
+    }
+    __device__ TileCompare rows_compare(int n, const BlockBounds& b, int g0, int g1) const {
+        return tile_compare(Has_mask ? b.v : nullptr, g0, min(g1, r1), n * kBlockN, kBlockN, sk, Is_causal,
+                            causal_offset);
+    }
 };
 
 // dK/dV: a key block [c0, c0 + BlockN) walks query blocks upwards, jumping over runs of rows that

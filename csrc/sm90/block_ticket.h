@@ -1,6 +1,6 @@
 // A block as a producer warp queues it for the consumers of the SM90 kernels: its index and what
 // its tile needs, so that the consumers read no bounds themselves. The backward queues query
-// blocks, the forward key blocks; both write a block's ticket into a ring slot before they claim
+// blocks (BlockTicket), the forward key blocks (GroupTicket); both write a block's ticket into a ring slot before they claim
 // the block's pipeline stage, whose arrival publishes it.
 #pragma once
 #include "mask/block_walk.h"
@@ -18,6 +18,67 @@ struct BlockTicket {
     __device__ TileCompare compare() const {
         const bool intervals = (bits & 1) != 0, edges = (bits & 2) != 0;
         return {intervals, edges, intervals || edges};
+    }
+};
+
+// The forward's ticket: a key block as each of kGroups consumer warpgroups (64 query rows each)
+// meets it. Per group: whether its rows see the block at all (a group may then skip it), whether
+// they see the job's next block (so that a group knows where its run of blocks ends without
+// reading the next ticket before it issues that block's GEMMs), and what its own compare needs,
+// which is often less than the whole tile's.
+// block << kBlockShift | last << 4 * kGroups | per group g, at bit 4g:
+//   sees_next << 3 | sees << 2 | edges << 1 | intervals.
+template <int kGroups>
+struct GroupTicket {
+    static_assert(kGroups >= 1 && kGroups <= 3);
+    static constexpr int kLastBit = 4 * kGroups, kBlockShift = kLastBit + 1;
+    static constexpr int kMaxBlocks = 1 << (31 - kBlockShift);  // fwd_launch.h checks Sk against it
+    int bits;
+
+    // The groups whose rows see block b (bit g); every group without kPerGroupSight.
+    template <bool kPerGroupSight, typename Walk>
+    __device__ static int sight(const Walk& walk, int block, const BlockBounds& b) {
+        int s = 0;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+            s |= int(!kPerGroupSight || walk.rows_see(block, b, walk.r0 + 64 * g, walk.r0 + 64 * g + 64)) << g;
+        }
+        return s;
+    }
+    // kPerGroupCompare: each group's own compare; otherwise the tile's for every group.
+    template <bool kPerGroupCompare, typename Walk>
+    __device__ static GroupTicket make(const Walk& walk, int block, const BlockBounds& b, int sight) {
+        int bits = block << kBlockShift;
+        const TileCompare tile = walk.compare(block, b);
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+            const int g0 = walk.r0 + 64 * g;
+            const TileCompare t = kPerGroupCompare ? walk.rows_compare(block, b, g0, g0 + 64) : tile;
+            bits |= ((sight >> g & 1) << 2 | int(t.edges) << 1 | int(t.intervals)) << (4 * g);
+        }
+        return {bits};
+    }
+    // What the walk found below the block: the next block's sight, or that this is the job's last.
+    __device__ void set_next(int next_sight, bool last) {
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) bits |= (next_sight >> g & 1) << (4 * g + 3);
+        bits |= int(last) << kLastBit;
+    }
+    __device__ int block() const { return bits >> kBlockShift; }
+    __device__ bool last() const { return (bits >> kLastBit & 1) != 0; }
+    __device__ bool sees(int g) const { return (bits >> (4 * g + 2) & 1) != 0; }
+    // Group g's run goes on into the next block.
+    __device__ bool run_continues(int g) const { return (bits >> (4 * g + 3) & 1) != 0; }
+    __device__ TileCompare compare(int g) const {
+        const bool intervals = (bits >> (4 * g) & 1) != 0, edges = (bits >> (4 * g + 1) & 1) != 0;
+        return {intervals, edges, intervals || edges};
+    }
+    // Some group tests the column intervals: the block's mask columns go into its ring slot.
+    __device__ bool any_intervals() const {
+        int any = 0;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) any |= bits >> (4 * g);
+        return (any & 1) != 0;
     }
 };
 

@@ -1,4 +1,4 @@
-// The named barriers of the SM90 forward (CUTLASS user ids 0-7, all eight in use). Some belong to
+// The named barriers of the SM90 forward (CUTLASS user ids 0-7; 0-6 in use). Some belong to
 // one consumer warpgroup: with two warpgroups they take turns issuing their GEMMs (pingpong); with
 // three (head dim 64, 192-row tiles) they issue freely and their turn barriers are reused.
 #pragma once
@@ -15,8 +15,8 @@ struct FwdBarriers {
     __device__ static constexpr int turn(int wg) { return 3 + wg; }
     // A job published by the producer warp, one per warpgroup (tile_scheduler.h): 5, 0 (, 4).
     __device__ static constexpr int job_full(int wg) { return wg == 0 ? 5 : wg == 1 ? 0 : 4; }
-    // Every consumer has read the published job; the producer may load the next Q.
-    static constexpr int kJobEmpty = 6, kQFree = 7;
+    // Every consumer has read the published job.
+    static constexpr int kJobEmpty = 6;
 };
 
 }  // namespace flashmask::sm90

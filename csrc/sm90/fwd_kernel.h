@@ -2,15 +2,16 @@
 //
 // Persistent: one CTA per SM takes (query tile, head, batch) jobs from tile_scheduler.h, heaviest
 // first. A producer warpgroup gives up its registers (setmaxnreg) and one of its warps walks the
-// visible key blocks of each job, loading its Q and each visible block's K and V by TMA into a
-// pipeline of mbarrier-guarded stages: a block the column intervals mask entirely is never loaded.
-// The producer runs ahead into the next job while the consumers finish and write this one. With
-// each block it queues a ticket (block_ticket.h: which block, whether its tile needs the
-// element-wise compare) and, for a block the intervals cut partly, the block's mask columns, in a
-// ring slot of shared memory. Two consumer warpgroups of 64 rows each (three at head dim 64) take
-// the blocks from the ring and issue S = Q K^T and O += P V as wgmma, each block's S together with
-// the previous block's P V; two warpgroups take turns (pingpong). The output leaves by TMA store
-// (tile_store.h).
+// visible key blocks of each job, loading its Q (into a ring of Traits::kQStages buffers) and each
+// visible block's K and V by TMA into pipelines of mbarrier-guarded stages: a block the column
+// intervals mask entirely is never loaded. The producer runs ahead into the next job while the
+// consumers finish and write this one. With each block it queues a ticket (block_ticket.h: which
+// block, and for each consumer warpgroup whether its rows see the block and what compare they
+// need) and, for a block the intervals cut partly, the block's mask columns, in a ring slot of
+// shared memory. Two consumer warpgroups of 64 rows each (three at head dim 64) take the blocks
+// from the ring and issue S = Q K^T and O += P V as wgmma, each block's S together with the
+// previous block's P V; two warpgroups take turns (pingpong); three may each skip the blocks
+// their rows do not see (tile_config.h). The output leaves by TMA store (tile_store.h).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -69,33 +70,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
+    using PipelineQ = typename Traits::PipelineQ;
     using Job = TileJob<Traits, Is_causal, Has_mask>;
     constexpr int kBlockN = Traits::kBlockN;
-    constexpr int kQFreeThreads = 32 + Traits::kConsumerThreads;
+    using Ticket = GroupTicket<kWarpgroups>;
+    // tile_config.h. Skipping needs the warpgroups to issue freely: pingpong turns must pair up.
+    constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE;
+    constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
     SharedStorage& shared = *reinterpret_cast<SharedStorage*>(smem_raw);
-    const int warp_group = threadIdx.x / 128;
+    const int warp_group = cutlass::canonical_warp_group_idx();  // warp-uniform for ptxas: wgmma sits under it
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const FwdScheduler<kWarpgroups> scheduler(p, Traits::kBlockM);
 
-    // Barriers: Q's (one arrival with its byte count, one phase per job that loads it), and the K
-    // and V pipelines (warp 0 of the producer is their only producer; every consumer thread
-    // releases a stage). Pipeline states run on across jobs.
-    if (threadIdx.x == 0) shared.barrier_q.init(1);
+    // Pipelines of Q (a stage per job that loads one), K and V: warp 0 of the producer is their
+    // only producer, every consumer thread releases a stage. Pipeline states run on across jobs.
     typename Pipeline::Params pipe_params;
     pipe_params.transaction_bytes = Traits::kTmaBytesKV;
     pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = threadIdx.x == 0;
     pipe_params.num_consumers = Traits::kConsumerThreads;
     Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+    typename PipelineQ::Params q_params;
+    q_params.transaction_bytes = Traits::kTmaBytesQ;
+    q_params.role = warp_group == 0 ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+    q_params.is_leader = pipe_params.is_leader;
+    q_params.num_consumers = pipe_params.num_consumers;
+    PipelineQ pipeline_q(shared.pipeline_q, q_params, Shape<_1, _1, _1>{});
     Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQStages{});
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
 
     if (warp_group == 0) {
@@ -106,7 +115,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
         Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
         auto state = cutlass::make_producer_start_state<Pipeline>();
-        bool q_loaded = false;
+        auto state_q = cutlass::make_producer_start_state<PipelineQ>();
         int queued = 0;  // ring slots filled, over all jobs
         for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.publish_next(p, x, shared.next_job)) {
             const Job tile(p, scheduler.template job<Is_causal>(p, x));
@@ -121,29 +130,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
             auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
             auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-            // The previous job's Q stays until every consumer warpgroup has issued its last S.
-            if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, Barriers::kQFree);
-            q_loaded = true;
+            // A Q buffer is free once every consumer warpgroup has issued the last S of its job.
             if (lane == 0) {
-                shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-                copy(args.tma_q.with(reinterpret_cast<typename cutlass::arch::ClusterTransactionBarrier::ValueType&>(
-                                         shared.barrier_q),
-                                     0),
-                     tQg, tQs);
+                pipeline_q.producer_acquire(state_q);
+                copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
             }
-            TileCompare cmp = walk.compare(n_block, bnd);
+            ++state_q;
+            int sight = Ticket::template sight<kSkip>(walk, n_block, bnd);
+            Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
             while (n_block >= 0) {
                 bnd = walk.bounds_of(n_block - 1);
                 const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
+                sight = n_next >= 0 ? Ticket::template sight<kSkip>(walk, n_next, bnd) : 0;
+                ticket.set_next(sight, n_next < 0);
                 // The block's ring slot, filled before the arrival on its K stage publishes it.
                 const int slot = queued % Traits::kSlots;
-                if (Has_mask && cmp.intervals) {
+                if (Has_mask && ticket.any_intervals()) {
                     stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols, n_block * kBlockN,
                                                             p.sk, lane);
                     cp_async_fence();
                     cp_async_wait<0>();
                 }
-                if (lane == 0) shared.tickets[slot] = BlockTicket::make(n_block, cmp, n_next < 0).bits;
+                if (lane == 0) shared.tickets[slot] = ticket.bits;
                 __syncwarp();  // every lane's mask columns before lane 0's arrival
                 if (lane == 0) {
                     pipeline_k.producer_acquire(state);
@@ -154,11 +162,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 ++state;
                 ++queued;
                 n_block = n_next;
-                if (n_block >= 0) cmp = walk.compare(n_block, bnd);
+                if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
             }
         }
-        // Take the consumers' last "Q free" so that no arrival is left pending.
-        if (q_loaded) cutlass::arch::NamedBarrier::sync(kQFreeThreads, Barriers::kQFree);
         return;
     }
 
@@ -191,12 +197,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     };
 
     cutlass::PipelineState<Traits::kStages> state_k, state_v;
-    int q_phase = 0;
+    cutlass::PipelineState<Traits::kQStages> state_q;
+    // After the job's last S: its Q buffer may take another job's Q.
+    auto release_q = [&]() {
+        pipeline_q.consumer_release(state_q);
+        ++state_q;
+    };
     int taken = 0;  // ring slots read, over all jobs
     // The next block from the ring, once its K stage has landed.
     auto take_ticket = [&](int& slot) {
         slot = taken++ % Traits::kSlots;
-        return BlockTicket{shared.tickets[slot]};
+        return Ticket{shared.tickets[slot]};
     };
     for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job, cwg)) {
         const Job tile(p, scheduler.template job<Is_causal>(p, x));
@@ -222,9 +233,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         float correction[kRows];
         // exp(S - max) of a block, masked where its ticket says, and the rescale factors of O; then P.
-        auto softmax_of = [&](const BlockTicket& ticket, int slot) {
+        auto softmax_of = [&](const Ticket& ticket, int slot) {
             Tensor s_rc = rowcol(acc_s);
-            const TileCompare cmp = ticket.compare();
+            const TileCompare cmp = ticket.compare(cwg);
             if (cmp.any) {
                 mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, walk.causal_offset,
                                                shared.mask_cols[slot]);
@@ -238,53 +249,83 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         };
 
         if (cwg == 1) pass_turn();  // pingpong: warpgroup 0 goes first
-        shared.barrier_q.wait(q_phase);
-        q_phase ^= 1;
-        bool more;
-        {
-            pipeline_k.consumer_wait(state_k);
-            int slot;
-            const BlockTicket ticket = take_ticket(slot);
+        pipeline_q.consumer_wait(state_q);
+        const int q_stage = state_q.index();
+        int slot;
+        pipeline_k.consumer_wait(state_k);
+        Ticket ticket = take_ticket(slot);
+        // With kSkip the warpgroup's blocks go in runs of blocks its rows see; without, the job is
+        // one run. A run's first S is issued alone and its last P V after the loop, so every wgmma
+        // is unconditional within its loop (ptxas serialises a wgmma it finds on a divergent path).
+        // Where a run ends is in its last ticket: nothing waits on the next one before the GEMMs.
+        while (true) {
+            if constexpr (kSkip) {
+                // A stage is released only after its load has landed: the producer must not re-arm
+                // a barrier whose transaction is still under way.
+                while (!ticket.sees(cwg) && !ticket.last()) {
+                    pipeline_v.consumer_wait(state_v);
+                    pipeline_k.consumer_release(state_k);
+                    ++state_k;
+                    pipeline_v.consumer_release(state_v);
+                    ++state_v;
+                    pipeline_k.consumer_wait(state_k);
+                    ticket = take_ticket(slot);
+                }
+                if (!ticket.sees(cwg)) {  // the job's last block, unseen: nothing of the job is left
+                    pipeline_v.consumer_wait(state_v);
+                    pipeline_k.consumer_release(state_k);
+                    ++state_k;
+                    pipeline_v.consumer_release(state_v);
+                    ++state_v;
+                    release_q();
+                    break;
+                }
+            }
             wait_turn();
-            wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
+            wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ(_, _, _, q_stage), tSrK(_, _, _, state_k.index()), acc_s);
             pass_turn();
             warpgroup_wait<0>();
-            pipeline_k.consumer_release(state_k);
-            ++state_k;
-            softmax_of(ticket, slot);  // O is still zero: nothing to rescale
-            store_p();
-            more = !ticket.last();
-        }
-        while (more) {
-            pipeline_k.consumer_wait(state_k);
-            pipeline_v.consumer_wait(state_v);
-            int slot;
-            const BlockTicket ticket = take_ticket(slot);
-            wait_turn();
-            wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, state_k.index()), acc_s);
-            wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
-            pass_turn();
-            warpgroup_wait<1>();  // S is in; P V may still run
             pipeline_k.consumer_release(state_k);
             ++state_k;
             softmax_of(ticket, slot);
-            warpgroup_wait<0>();
-            pipeline_v.consumer_release(state_v);  // also frees the last block's ring slot (fwd_traits.h)
-            ++state_v;
-            Tensor o_rc = rowcol(acc_o);
-            softmax.rescale(o_rc, correction);
+            if constexpr (kSkip) {  // O holds the runs before this one (without kSkip it is zero)
+                Tensor o_rc = rowcol(acc_o);
+                softmax.rescale(o_rc, correction);
+            }
             store_p();
-            more = !ticket.last();
+            while (ticket.run_continues(cwg)) {
+                pipeline_k.consumer_wait(state_k);
+                pipeline_v.consumer_wait(state_v);
+                ticket = take_ticket(slot);
+                wait_turn();
+                wgmma_gemm</*zero_init=*/true>(mma_qk, tSrQ(_, _, _, q_stage), tSrK(_, _, _, state_k.index()), acc_s);
+                wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+                pass_turn();
+                warpgroup_wait<1>();  // S is in; P V may still run
+                pipeline_k.consumer_release(state_k);
+                ++state_k;
+                softmax_of(ticket, slot);
+                warpgroup_wait<0>();
+                pipeline_v.consumer_release(state_v);  // also frees the last block's ring slot (fwd_traits.h)
+                ++state_v;
+                Tensor o_rc = rowcol(acc_o);
+                softmax.rescale(o_rc, correction);
+                store_p();
+            }
+            // Every S of this job is in: the producer may load the next job's Q.
+            const bool job_done = ticket.last();
+            if (job_done) release_q();
+            pipeline_v.consumer_wait(state_v);
+            wait_turn();
+            wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
+            if (cwg == 0) pass_turn();  // pingpong: warpgroup 1's last turn is its last, no arrival left pending
+            warpgroup_wait<0>();
+            pipeline_v.consumer_release(state_v);
+            ++state_v;
+            if (!kSkip || job_done) break;
+            pipeline_k.consumer_wait(state_k);  // the next block, which this warpgroup does not see
+            ticket = take_ticket(slot);
         }
-        // Every S of this job is in: the producer may load the next job's Q.
-        cutlass::arch::NamedBarrier::arrive(kQFreeThreads, Barriers::kQFree);
-        pipeline_v.consumer_wait(state_v);
-        wait_turn();
-        wgmma_gemm</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, state_v.index()), acc_o);
-        if (cwg == 0) pass_turn();  // pingpong: warpgroup 1's last turn is its last, no arrival left pending
-        warpgroup_wait<0>();
-        pipeline_v.consumer_release(state_v);
-        ++state_v;
 
         float lse[kRows];
         Tensor o_rc = rowcol(acc_o);

@@ -34,6 +34,9 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     const int64_t jobs = int64_t((p.sq + Traits::kBlockM - 1) / Traits::kBlockM) * p.hq * p.b;
     TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 forward needs a job counter");
     TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (query tile, head, batch) jobs for one launch");
+    TORCH_CHECK((int64_t(p.sk) + Traits::kBlockN - 1) / Traits::kBlockN <= GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks,
+                "flashmask: Sk = ", p.sk, " is past what the SM90 forward's block tickets index (",
+                int64_t(GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks) * Traits::kBlockN, " keys)");
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const dim3 grid(unsigned(std::min<int64_t>(jobs, sms)));
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {

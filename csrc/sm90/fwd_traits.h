@@ -18,11 +18,12 @@ struct FwdTraits {
     static constexpr int kBlockM = fwd_tile(kHeadDim).block_m;
     static constexpr int kBlockN = fwd_tile(kHeadDim).block_n;
     static constexpr int kStages = fwd_tile(kHeadDim).stages;
+    static constexpr int kQStages = fwd_tile(kHeadDim).q_stages;
     static constexpr int kConsumerWarpgroups = fwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;  // + one producer warpgroup
     // setmaxnreg: the producer gives its registers to the consumers (65536 per SM in all).
-    static constexpr int kProducerRegisters = 24;
+    static constexpr int kProducerRegisters = FLASHMASK_SM90_FWD_PRODUCER_REGS;
     static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
     static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536);
     static_assert(kBlockM == 64 * kConsumerWarpgroups);
@@ -44,10 +45,15 @@ struct FwdTraits {
                                    cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
         AtomLayout{}));
 
+    // One Q buffer (the TMA box) and the ring of kQStages of them.
     using SmemLayoutQ = decltype(cute::tile_to_shape(
         cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kBlockM>,
                                                             cute::Int<kHeadDim>>(),
         TileQ{}));
+    using SmemLayoutQStages = decltype(cute::tile_to_shape(
+        cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kBlockM>,
+                                                            cute::Int<kHeadDim>>(),
+        cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kQStages>>{}));
     using SmemLayoutKV = decltype(cute::tile_to_shape(
         cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kBlockN>,
                                                             cute::Int<kHeadDim>>(),
@@ -62,6 +68,8 @@ struct FwdTraits {
     using SmemLayoutO = typename OutStore::template SmemLayout<kBlockM>;
 
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+    // Q's ring: a buffer is free again once every consumer warpgroup has issued its job's last S.
+    using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
     // The producer fills a block's ring slot before it claims the block's K stage; the consumers are
@@ -71,7 +79,7 @@ struct FwdTraits {
     static constexpr int kSlots = kStages + 2;
 
     struct SharedStorage {
-        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQStages>> q;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>> o;
@@ -79,12 +87,13 @@ struct FwdTraits {
         // intervals cut partly, its raw [BlockN, C] mask columns.
         int tickets[kSlots];
         alignas(16) int mask_cols[kSlots][4 * kBlockN];
-        cutlass::arch::ClusterTransactionBarrier barrier_q;
         int next_job;  // the job the producer hands to the consumers (tile_scheduler.h)
+        typename PipelineQ::SharedStorage pipeline_q;
         typename Pipeline::SharedStorage pipeline_k;
         typename Pipeline::SharedStorage pipeline_v;
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 SM has for one block");
 };
 
 }  // namespace flashmask::sm90

@@ -3,9 +3,11 @@
 
 namespace flashmask::sm90 {
 
-// Forward: BlockM query rows (64 per consumer warpgroup) against BlockN keys per pipeline stage.
+// Forward: BlockM query rows (64 per consumer warpgroup) against BlockN keys per pipeline stage;
+// q_stages Q buffers, so that with two the next job's Q loads while this job still runs (a job
+// of a window's few blocks otherwise waits for its Q after the last S of the one before).
 struct FwdTile {
-    int block_m, block_n, consumer_warpgroups, stages;
+    int block_m, block_n, consumer_warpgroups, stages, q_stages;
 };
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
@@ -14,9 +16,37 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_WG64
 #define FLASHMASK_SM90_FWD_WG64 3
 #endif
+// Per consumer warpgroup, from the producer's ticket (block_ticket.h): FWD_WG_COMPARE, each
+// warpgroup runs the element compare only where its own 64 rows need it; FWD_WG_SKIP, without
+// pingpong (three warpgroups at head dim 64), a warpgroup skips the key blocks its rows do not see
+// (a 1024-key window's first and last blocks are seen by part of a 192-row tile only: computed
+// pairs 0.80 -> 0.89 visible on sliding window, scripts/tile_efficiency.py). Its blocks go in runs,
+// each ending with its last P V, so that no wgmma is issued under a condition. H100, head dim 64,
+// both on: global + sliding window +15-24%, sliding window +4-7%, 8K documents +5%, but the dense
+// families -2-6% (full, causal, share question: their causal 32K margin over Flex is 1.32x), so
+// both stay off (docs/perf_notes.md, version 34). FWD_WG_COMPARE alone: within noise.
+#ifndef FLASHMASK_SM90_FWD_WG_COMPARE
+#define FLASHMASK_SM90_FWD_WG_COMPARE 0
+#endif
+#ifndef FLASHMASK_SM90_FWD_WG_SKIP
+#define FLASHMASK_SM90_FWD_WG_SKIP 0
+#endif
+// The forward producer warpgroup's registers after setmaxnreg: with 24 its block walk spills a
+// few words per block (more with the per-warpgroup tickets); 32 still leaves the consumers theirs
+// (128 * 32 + 384 * 160 = 65536 at head dim 64) and removes most of those spills, but timed
+// within noise of 24 (version 34).
+#ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS
+#define FLASHMASK_SM90_FWD_PRODUCER_REGS 24
+#endif
+// Two Q buffers at head dim 64 (head dim 128 has no room): on top of FWD_WG_SKIP, sliding window
+// +2-5% more (version 34); alone not timed.
+#ifndef FLASHMASK_SM90_FWD_Q_STAGES64
+#define FLASHMASK_SM90_FWD_Q_STAGES64 1
+#endif
 constexpr FwdTile fwd_tile(int head_dim) {
-    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3}
-                          : FwdTile{128, 128, 2, 2};
+    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,
+                                    FLASHMASK_SM90_FWD_Q_STAGES64}
+                          : FwdTile{128, 128, 2, 2, 1};  // a second Q buffer does not fit at head dim 128
 }
 
 // Backward: a CTA owns BlockN keys (64 per consumer warpgroup) and walks query blocks of BlockM rows,

@@ -24,7 +24,8 @@ struct FwdTile {
 // each ending with its last P V, so that no wgmma is issued under a condition. H100, head dim 64,
 // both on: global + sliding window +15-24%, sliding window +4-7%, 8K documents +5%, but the dense
 // families -2-6% (full, causal, share question: their causal 32K margin over Flex is 1.32x), so
-// both stay off (docs/perf_notes.md, version 34). FWD_WG_COMPARE alone: within noise.
+// both stay off (docs/perf_notes.md, version 34: most of that loss follows the producer's per-group
+// sight tests, not the consumers' runs). FWD_WG_COMPARE alone: within noise.
 #ifndef FLASHMASK_SM90_FWD_WG_COMPARE
 #define FLASHMASK_SM90_FWD_WG_COMPARE 0
 #endif

@@ -126,6 +126,16 @@ struct QueryBlockWalk {
         }
         return min(m, m_end);
     }
+    // The first query block from which one interval masks every row to the end for every column of
+    // the key block (the rows below a document), or m_end: no block there is ever visible.
+    __device__ int masked_tail() const {
+        int t = m_end;
+        if (Has_mask) {
+            if (bnd[kLteMin] >= sq) t = min(t, (max(bnd[kLtsMax], 0) + kBlockM - 1) / kBlockM);
+            if (bnd[kUteMin] >= sq) t = min(t, (max(bnd[kUtsMax], 0) + kBlockM - 1) / kBlockM);
+        }
+        return t;
+    }
     __device__ TileCompare compare(int m) const {
         const int r0 = m * kBlockM;
         return tile_compare(Has_mask ? bnd : nullptr, r0, min(r0 + kBlockM, sq), c0, kBlockN, sk, Is_causal,

@@ -76,6 +76,11 @@ __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
         __nanosleep(64);
     }
 }
+__forceinline__ __device__ bool has_turn(const int* sem, int turn) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+    return v == turn;
+}
 __forceinline__ __device__ void pass_turn(int* sem, int next) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
 }
@@ -111,6 +116,20 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
         if (sem != nullptr && slot == 0) pass_unseen(0, m_end);
         return slot == 0;
     }
+    // kBwdEarlyTail (tile_config.h): the masked tail [tail, m_end) gets no addition from this key
+    // block, so warp 0 passes each of its turns as soon as it comes (looking between its tiles)
+    // instead of after the job's last tile; the next document's key blocks wait there otherwise.
+    const int tail = kBwdEarlyTail && sem != nullptr ? walk.masked_tail() : m_end;
+    int tail_next = tail + lane;  // this lane's first tail block whose turn is not passed yet
+    auto pass_tail = [&](bool wait) {
+        if (tail == m_end || slot != 0) return;
+        for (; tail_next < m_end; tail_next += 32) {
+            if (wait) wait_turn(sem + tail_next, turn);
+            else if (!has_turn(sem + tail_next, turn)) break;
+            pass_turn(sem + tail_next, turn + 1);
+        }
+    };
+    pass_tail(false);
     if (slot == 0) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
     int from = 0;  // deterministic: the blocks below it have had this key block's turn or are another warp's
     for (int m = m_first, k = 0; m < m_end; ++k) {
@@ -119,6 +138,7 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
         if (k % kDqWarps == slot) {
             if (sem != nullptr) {  // while the consumers compute this block's dQ
                 pass_unseen(from, m);
+                pass_tail(false);
                 if (lane == 0) wait_turn(sem + m, turn);
             }
             cutlass::arch::NamedBarrier::sync(handoff_threads, dq_full_barrier(slot));
@@ -138,14 +158,16 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
                     pass_turn(sem + m, turn + 1);
                 }
                 __syncwarp();
-                if (last) pass_unseen(m + 1, m_end);
+                if (last) pass_unseen(m + 1, tail);
             }
         } else if (last) {
+            pass_tail(true);
             return false;
         }
         from = m + 1;
         m = m_next;
     }
+    pass_tail(true);
     return true;
 }
 

@@ -100,6 +100,14 @@ struct BwdTile {
 constexpr int kBwdDqWarps = FLASHMASK_SM90_BWD_DQ_WARPS;
 static_assert(kBwdDqWarps >= 1 && kBwdDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
 
+// Deterministic backward: the dQ turns of a key block's masked tail (the query blocks below its
+// document) passed as they come rather than after the job's last tile (bwd_kernel.h, dq_warp).
+// Compiled for sm_90a, not yet run on a GPU (docs/perf_notes.md, leads).
+#ifndef FLASHMASK_SM90_BWD_EARLY_TAIL
+#define FLASHMASK_SM90_BWD_EARLY_TAIL 0
+#endif
+constexpr bool kBwdEarlyTail = FLASHMASK_SM90_BWD_EARLY_TAIL;
+
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
                                     FLASHMASK_SM90_BWD_PERSISTENT64}

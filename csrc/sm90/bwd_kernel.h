@@ -68,18 +68,13 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 // not, and hands the turn on once its addition (if any) is complete in global memory. (Decreasing
 // order, which should spare causal masks a chain of waits, measured 1.3-1.4x slower on them at head
 // dim 128: docs/perf_notes.md, version 23.)
-__forceinline__ __device__ void wait_turn(const int* sem, int turn) {
-    int v;
-    while (true) {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
-        if (v == turn) break;
-        __nanosleep(64);
-    }
-}
 __forceinline__ __device__ bool has_turn(const int* sem, int turn) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
     return v == turn;
+}
+__forceinline__ __device__ void wait_turn(const int* sem, int turn) {
+    while (!has_turn(sem, turn)) __nanosleep(64);
 }
 __forceinline__ __device__ void pass_turn(int* sem, int next) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");

@@ -285,23 +285,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         // Where a run ends is in its last ticket: nothing waits on the next one before the GEMMs.
         while (true) {
             if constexpr (kSkip) {
-                // A stage is released only after its load has landed: the producer must not re-arm
-                // a barrier whose transaction is still under way.
-                while (!ticket.sees(cwg) && !ticket.last()) {
+                // An unseen block's stages are released only after its loads have landed: the
+                // producer must not re-arm a barrier whose transaction is still under way.
+                auto pass_block = [&]() {
                     pipeline_v.consumer_wait(state_v);
                     pipeline_k.consumer_release(state_k);
                     ++state_k;
                     pipeline_v.consumer_release(state_v);
                     ++state_v;
+                };
+                while (!ticket.sees(cwg) && !ticket.last()) {
+                    pass_block();
                     pipeline_k.consumer_wait(state_k);
                     ticket = take_ticket(slot);
                 }
                 if (!ticket.sees(cwg)) {  // the job's last block, unseen: nothing of the job is left
-                    pipeline_v.consumer_wait(state_v);
-                    pipeline_k.consumer_release(state_k);
-                    ++state_k;
-                    pipeline_v.consumer_release(state_v);
-                    ++state_v;
+                    pass_block();
                     release_q();
                     break;
                 }

@@ -126,15 +126,50 @@ struct QueryBlockWalk {
         }
         return min(m, m_end);
     }
-    // The first query block from which one interval masks every row to the end for every column of
-    // the key block (the rows below a document), or m_end: no block there is ever visible.
-    __device__ int masked_tail() const {
-        int t = m_end;
+    // The largest visible block in [begin(), m], or -1 (the SM90 deterministic backward walks down).
+    __device__ int visible_at_or_below(int m) const {
+        const int lo = begin();
         if (Has_mask) {
-            if (bnd[kLteMin] >= sq) t = min(t, (max(bnd[kLtsMax], 0) + kBlockM - 1) / kBlockM);
-            if (bnd[kUteMin] >= sq) t = min(t, (max(bnd[kUtsMax], 0) + kBlockM - 1) / kBlockM);
+            while (m >= lo) {
+                const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
+                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
+                    m = min(m - 1, (max(bnd[kLtsMax], 0) + kBlockM - 1) / kBlockM - 1);
+                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
+                    m = min(m - 1, (max(bnd[kUtsMax], 0) + kBlockM - 1) / kBlockM - 1);
+                } else {
+                    break;
+                }
+            }
         }
-        return t;
+        return m >= lo ? m : -1;
+    }
+    // Deterministic dQ: the key block below this one that sees query block m (a block this walk
+    // visits) last before it, or -1: the test of visible_at_or_above, made from the query side. A
+    // lower block passes the causal bound wherever this one does. Mostly the block just below; past
+    // a window's or a document's edge the answer is far down or none, so each lane then tests
+    // kPerLane blocks of the next 32 * kPerLane at once. The whole warp must call it.
+    __device__ int previous_visitor(int m) const {
+        const int n = c0 / kBlockN;
+        if (!Has_mask || n == 0) return n - 1;
+        constexpr int kPerLane = 4;
+        const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
+        const int* const head = bnd - n * kNumBounds;
+        if (!classify_tile(head + (n - 1) * kNumBounds, r0, r1).fully_masked) return n - 1;  // the usual answer
+        const int lane = threadIdx.x % 32;
+        for (int top = n - 2; top >= 0; top -= 32 * kPerLane) {
+            bool seen[kPerLane];
+#pragma unroll
+            for (int i = 0; i < kPerLane; ++i) {
+                const int cand = top - 32 * i - lane;
+                seen[i] = cand >= 0 && !classify_tile(head + cand * kNumBounds, r0, r1).fully_masked;
+            }
+#pragma unroll
+            for (int i = 0; i < kPerLane; ++i) {
+                const unsigned ballot = __ballot_sync(0xffffffffu, seen[i]);
+                if (ballot != 0u) return top - 32 * i - (__ffs(ballot) - 1);
+            }
+        }
+        return -1;
     }
     __device__ TileCompare compare(int m) const {
         const int r0 = m * kBlockM;

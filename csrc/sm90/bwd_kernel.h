@@ -61,20 +61,23 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
                  : "memory");
 }
 
-// Deterministic mode: the key blocks of a (batch, head) add their dQ to each query block in
-// increasing order, the order of their jobs (job_and_head), so that a job only ever waits for
-// jobs drawn before it. The query block's semaphore counts the key blocks that have had
-// their turn; each key block's CTA waits for its turn at every query block, whether it sees it or
-// not, and hands the turn on once its addition (if any) is complete in global memory. (Decreasing
-// order, which should spare causal masks a chain of waits, measured 1.3-1.4x slower on them at head
-// dim 128: docs/perf_notes.md, version 23.)
-__forceinline__ __device__ bool has_turn(const int* sem, int turn) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
-    return v == turn;
-}
+// Deterministic mode: the key blocks of a (batch, head) that see a query block add their dQ to it in
+// increasing order, so that a job only ever waits for jobs drawn before it (job_and_head). The query
+// block's semaphore holds one more than the last key block that added to it (0: none yet); a key
+// block waits there for the key block below it that sees the query block (QueryBlockWalk::
+// previous_visitor) and then writes its own number. Key blocks that do not see a query block never
+// touch its semaphore: an earlier design counted turns, which every key block had to pass at every
+// query block, so that a document's key blocks waited for every earlier document's jobs to pass
+// theirs (docs/perf_notes.md, version 35). Each key block walks its query blocks downwards
+// (kBwdDetDown). (Key blocks adding in decreasing order, drawn in that order, measured 1.3-1.4x
+// slower on causal masks at head dim 128: version 23.)
 __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
-    while (!has_turn(sem, turn)) __nanosleep(64);
+    for (;;) {
+        int v;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+        if (v == turn) return;
+        __nanosleep(64);
+    }
 }
 __forceinline__ __device__ void pass_turn(int* sem, int next) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
@@ -93,48 +96,22 @@ __forceinline__ __device__ int dq_full_barrier(int slot) {
     return slot == 0 ? kBwdDqFullBarrier : kBwdDqFullBarrier2 + slot - 1;
 }
 
-template <typename Traits, int kDqWarps, typename Walk>
-__device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, int turn, int h, int b, int m_first,
-                        int m_end, int slot, int handoff_threads) {
+template <typename Traits, int kDqWarps, typename Job>
+__device__ bool dq_warp(const BwdParams& p, const Job& job, float* smem_dq, int slot, int handoff_threads) {
     constexpr int kTile = Traits::kBlockM * Traits::kHeadDim;
     const int lane = threadIdx.x % 32;
-    float* dq_accum = p.dq_accum + (int64_t(b) * p.hq + h) * int64_t(m_end) * kTile;
-    int* const sem = p.dq_semaphore != nullptr ? p.dq_semaphore + (int64_t(b) * p.hq + h) * m_end : nullptr;
-    // Query blocks [from, to) this key block does not see: its turn is passed on at once, 32 at a time.
-    auto pass_unseen = [&](int from, int to) {
-        for (int m = from + lane; m < to; m += 32) {
-            wait_turn(sem + m, turn);
-            pass_turn(sem + m, turn + 1);
-        }
-    };
-    if (m_first >= m_end) {
-        if (sem != nullptr && slot == 0) pass_unseen(0, m_end);
-        return slot == 0;
-    }
-    // kBwdEarlyTail (tile_config.h): the masked tail [tail, m_end) gets no addition from this key
-    // block, so warp 0 passes each of its turns as soon as it comes (looking between its tiles)
-    // instead of after the job's last tile; the next document's key blocks wait there otherwise.
-    const int tail = kBwdEarlyTail && sem != nullptr ? walk.masked_tail() : m_end;
-    int tail_next = tail + lane;  // this lane's first tail block whose turn is not passed yet
-    auto pass_tail = [&](bool wait) {
-        if (tail == m_end || slot != 0) return;
-        for (; tail_next < m_end; tail_next += 32) {
-            if (wait) wait_turn(sem + tail_next, turn);
-            else if (!has_turn(sem + tail_next, turn)) break;
-            pass_turn(sem + tail_next, turn + 1);
-        }
-    };
-    pass_tail(false);
+    const int64_t head = int64_t(job.b) * p.hq + job.h;
+    float* dq_accum = p.dq_accum + head * job.m_end * kTile;
+    int* const sem = p.dq_semaphore != nullptr ? p.dq_semaphore + head * job.m_end : nullptr;
+    if (job.empty()) return slot == 0;
     if (slot == 0) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
-    int from = 0;  // deterministic: the blocks below it have had this key block's turn or are another warp's
-    for (int m = m_first, k = 0; m < m_end; ++k) {
-        const int m_next = walk.visible_at_or_above(m + 1);
-        const bool last = m_next >= m_end;
+    for (int m = job.m_first, k = 0; job.valid(m); ++k) {
+        const int m_next = job.next(m);
+        const bool last = !job.valid(m_next);
         if (k % kDqWarps == slot) {
             if (sem != nullptr) {  // while the consumers compute this block's dQ
-                pass_unseen(from, m);
-                pass_tail(false);
-                if (lane == 0) wait_turn(sem + m, turn);
+                const int previous = job.walk.previous_visitor(m);  // the whole warp
+                if (lane == 0) wait_turn(sem + m, previous + 1);
             }
             cutlass::arch::NamedBarrier::sync(handoff_threads, dq_full_barrier(slot));
             if (lane == 0) {
@@ -145,24 +122,18 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
             }
             __syncwarp();
             if (!last) cutlass::arch::NamedBarrier::arrive(handoff_threads, kBwdDqEmptyBarrier);
-            if (sem != nullptr) {
-                if (lane == 0) {
-                    // Complete in global memory (not only read from shared memory) before the turn passes.
-                    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-                    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-                    pass_turn(sem + m, turn + 1);
-                }
-                __syncwarp();
-                if (last) pass_unseen(m + 1, tail);
+            if (sem != nullptr && lane == 0) {
+                // Complete in global memory (not only read from shared memory) before the turn passes.
+                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+                asm volatile("fence.proxy.async.global;\n" ::: "memory");
+                pass_turn(sem + m, job.n_block + 1);
             }
+            __syncwarp();
         } else if (last) {
-            pass_tail(true);
             return false;
         }
-        from = m + 1;
         m = m_next;
     }
-    pass_tail(true);
     return true;
 }
 
@@ -171,16 +142,29 @@ __device__ bool dq_warp(const BwdParams& p, const Walk& walk, float* smem_dq, in
 template <typename Traits, bool Is_causal, bool Has_mask>
 struct KeyJob {
     int n_block, h, b, kv_h, c0, m_end, m_first;
+    bool down;  // walks its query blocks downwards (deterministic mode: kBwdDetDown)
     MaskHead mask;
     QueryBlockWalk<Traits::kBlockM, Traits::kBlockN, Is_causal, Has_mask> walk;
 
     __device__ KeyJob(const BwdParams& p, const BwdJob& job)
         : n_block(job.n_block), h(job.h), b(job.b), kv_h(job.h / p.q_per_kv_head), c0(job.n_block * Traits::kBlockN),
-          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), mask(mask_head(p, job.b, job.h)),
+          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), down(kBwdDetDown > 0 && p.dq_semaphore != nullptr),
+          mask(mask_head(p, job.b, job.h)),
           walk{Has_mask ? mask.bounds + job.n_block * kNumBounds : nullptr, c0, p.sq, p.sk, p.sk - p.sq, m_end} {
-        m_first = walk.visible_at_or_above(walk.begin());
+        if (kBwdDetDown == 2 && down) {
+            // Query block 0 seen by the last key block (global tokens, or no mask at all) is shared
+            // by every key block: walking down, each job would end waiting for the one before.
+            const int last = (p.sk - 1) / Traits::kBlockN;
+            const decltype(walk) last_walk{Has_mask ? walk.bnd + (last - n_block) * kNumBounds : nullptr,
+                                           last * Traits::kBlockN, p.sq, p.sk, p.sk - p.sq, m_end};
+            down = last_walk.visible_at_or_above(last_walk.begin()) != 0;
+        }
+        m_first = down ? walk.visible_at_or_below(m_end - 1) : walk.visible_at_or_above(walk.begin());
     }
-    __device__ bool empty() const { return m_first >= m_end; }
+    // The visible query block after m in the walk's direction; valid() once past the last.
+    __device__ int next(int m) const { return down ? walk.visible_at_or_below(m - 1) : walk.visible_at_or_above(m + 1); }
+    __device__ bool valid(int m) const { return m >= 0 && m < m_end; }
+    __device__ bool empty() const { return !valid(m_first); }
 };
 
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
@@ -225,12 +209,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         cutlass::arch::warpgroup_reg_dealloc<24>();
         if (warp > kDqWarps) return;
         if (warp >= 1) {
-            // A dQ warp, job after job (deterministic: also the jobs whose keys see no query).
+            // A dQ warp, job after job.
             // Persistent, the warp that read a job's last tile hands the buffer to dK and dV.
             for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
                 const Job job(p, scheduler.job(p, x));
-                const bool holds = dq_warp<Traits, kDqWarps>(p, job.walk, shared.dq, /*turn=*/job.n_block, job.h, job.b,
-                                                             job.m_first, job.m_end, warp - 1, kDqHandoff);
+                const bool holds = dq_warp<Traits, kDqWarps>(p, job, shared.dq, warp - 1, kDqHandoff);
                 if (Traits::kPersistent && holds) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
             }
             return;
@@ -272,12 +255,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 copy(args.tma_v.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tVg, tVs);
             }
             const int64_t rows = (int64_t(job.b) * p.hq + job.h) * p.stats_stride;
-            for (int m = job.m_first; m < job.m_end;) {
-                const int m_next = job.walk.visible_at_or_above(m + 1);
+            for (int m = job.m_first; job.valid(m);) {
+                const int m_next = job.next(m);
                 if (lane == 0) {
                     // Before the stage's arrival, which publishes it (Traits::kTickets).
                     shared.tickets[queued % Traits::kTickets] =
-                        BlockTicket::make(m, job.walk.compare(m), m_next >= job.m_end).bits;
+                        BlockTicket::make(m, job.walk.compare(m), !job.valid(m_next)).bits;
                     pipeline_q.producer_acquire(state);
                     BarrierType* full = pipeline_q.producer_get_barrier(state);
                     copy(args.tma_q.with(*full, 0), tQg(_, m), tQs(_, state.index()));

@@ -100,13 +100,18 @@ struct BwdTile {
 constexpr int kBwdDqWarps = FLASHMASK_SM90_BWD_DQ_WARPS;
 static_assert(kBwdDqWarps >= 1 && kBwdDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
 
-// Deterministic backward: the dQ turns of a key block's masked tail (the query blocks below its
-// document) passed as they come rather than after the job's last tile (bwd_kernel.h, dq_warp).
-// Compiled for sm_90a, not yet run on a GPU (docs/perf_notes.md, leads).
-#ifndef FLASHMASK_SM90_BWD_EARLY_TAIL
-#define FLASHMASK_SM90_BWD_EARLY_TAIL 0
+// Deterministic backward: the direction in which a key block walks its query blocks. The key blocks
+// of a query block add in increasing order; walking up, the key block below reaches a query block
+// it shares with this one two steps later than this one (a band: sliding window) or with it (a
+// triangle: causal), which chains the ends of a head's jobs; walking down, before or with it. But
+// where query block 0 is seen by every key block (global tokens), each job walking down would end
+// waiting there for the one before. 0: up; 1: down; 2: down unless the last key block sees query
+// block 0, the same choice for every job of a head: jobs of both directions side by side wait for
+// each other's whole walks (docs/perf_notes.md, version 35). The atomic backward walks up.
+#ifndef FLASHMASK_SM90_BWD_DET_DOWN
+#define FLASHMASK_SM90_BWD_DET_DOWN 2
 #endif
-constexpr bool kBwdEarlyTail = FLASHMASK_SM90_BWD_EARLY_TAIL;
+constexpr int kBwdDetDown = FLASHMASK_SM90_BWD_DET_DOWN;
 
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,

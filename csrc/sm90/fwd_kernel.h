@@ -77,8 +77,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     // tile_config.h. Skipping needs the warpgroups to issue freely: pingpong turns must pair up.
     constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE;
     constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
-    constexpr bool kBoundsAhead = FLASHMASK_SM90_FWD_BOUNDS_AHEAD;
-    constexpr bool kMaskAsync = FLASHMASK_SM90_FWD_MASK_ASYNC;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -140,46 +138,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             ++state_q;
             int sight = Ticket::template sight<kSkip>(walk, n_block, bnd);
             Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
-            BlockBounds ahead;  // kBoundsAhead: the bounds the next step's walk reads, loaded a step early
-            if constexpr (kBoundsAhead) ahead = walk.bounds_of(n_block - 1);
             while (n_block >= 0) {
-                if constexpr (kBoundsAhead) {
-                    bnd = ahead;
-                    ahead = walk.bounds_of(n_block - 2);  // right when the walk goes on to the block below
-                } else {
-                    bnd = walk.bounds_of(n_block - 1);
-                }
+                bnd = walk.bounds_of(n_block - 1);
                 const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
-                if constexpr (kBoundsAhead) {
-                    if (n_next >= 0 && n_next != n_block - 1) ahead = walk.bounds_of(n_next - 1);
-                }
                 sight = n_next >= 0 ? Ticket::template sight<kSkip>(walk, n_next, bnd) : 0;
                 ticket.set_next(sight, n_next < 0);
                 // The block's ring slot, filled before the arrival on its K stage publishes it.
                 const int slot = queued % Traits::kSlots;
-                const bool stage_mask = Has_mask && ticket.any_intervals();
-                if constexpr (kMaskAsync) {
-                    // The mask columns land behind the K stage's barrier: each lane's cp.async
-                    // group holds back the stage's phase (cp.async.mbarrier.arrive adds a pending
-                    // arrival that the copies' completion gives), so the walk does not wait for them.
-                    // The stage is claimed first: its barrier must be in the phase of this block.
-                    if (lane == 0) pipeline_k.producer_acquire(state);
-                    __syncwarp();
-                    if (stage_mask) {
-                        stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols,
-                                                                n_block * kBlockN, p.sk, lane);
-                        cutlass::arch::cpasync_barrier_arrive(pipeline_k.producer_get_barrier(state));
-                    }
-                } else if (stage_mask) {
+                if (Has_mask && ticket.any_intervals()) {
                     stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols, n_block * kBlockN,
                                                             p.sk, lane);
                     cp_async_fence();
                     cp_async_wait<0>();
                 }
                 if (lane == 0) shared.tickets[slot] = ticket.bits;
-                __syncwarp();  // every lane's mask columns (or their pending arrivals) before lane 0's copy
+                __syncwarp();  // every lane's mask columns before lane 0's copy
                 if (lane == 0) {
-                    if constexpr (!kMaskAsync) pipeline_k.producer_acquire(state);
+                    pipeline_k.producer_acquire(state);
                     copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block), tKs(_, state.index()));
                     pipeline_v.producer_acquire(state);
                     copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block), tVs(_, state.index()));

@@ -75,9 +75,7 @@ struct FwdTraits {
     // The producer fills a block's ring slot before it claims the block's K stage; the consumers are
     // done with a block's slot once they release the V stage of the block they took before it
     // (that block's P V is waited for after this block's softmax), so kStages slots would do. Two
-    // more give slack. With FWD_MASK_ASYNC the mask columns are written just after the producer
-    // claims the block's K stage, i.e. once every consumer has released the K stage kStages blocks
-    // back, which it does after the softmax of the block before that: kStages + 2 slots back is free.
+    // more give slack.
     static constexpr int kSlots = kStages + 2;
 
     struct SharedStorage {

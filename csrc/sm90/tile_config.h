@@ -39,17 +39,6 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS 24
 #endif
-// The forward producer's walk, two switches not yet timed on a GPU (version 34 found the dense
-// families sensitive to the producer's per-block work): FWD_BOUNDS_AHEAD loads the bounds the
-// next step of the walk reads one block early (the load otherwise stalls the warp every block);
-// FWD_MASK_ASYNC lets a partial block's mask columns land behind its K stage's barrier
-// (cp.async.mbarrier.arrive) instead of the warp waiting for them before it issues the K load.
-#ifndef FLASHMASK_SM90_FWD_BOUNDS_AHEAD
-#define FLASHMASK_SM90_FWD_BOUNDS_AHEAD 0
-#endif
-#ifndef FLASHMASK_SM90_FWD_MASK_ASYNC
-#define FLASHMASK_SM90_FWD_MASK_ASYNC 0
-#endif
 // Two Q buffers at head dim 64 (head dim 128 has no room): on top of FWD_WG_SKIP, sliding window
 // +2-5% more (version 34); alone not timed.
 #ifndef FLASHMASK_SM90_FWD_Q_STAGES64

@@ -35,13 +35,18 @@ struct GroupTicket {
     static constexpr int kMaxBlocks = 1 << (31 - kBlockShift);  // fwd_launch.h checks Sk against it
     int bits;
 
-    // The groups whose rows see block b (bit g); every group without kPerGroupSight.
-    template <bool kPerGroupSight, typename Walk>
+    // The groups whose rows see block b (bit g). kSight 0: every group; 1: each group's own test;
+    // 2: that test only where the column intervals cut the tile partly (a window's or a document's
+    // edge), every group elsewhere, so that a block the causal diagonal alone crosses costs the
+    // producer nothing more (its tests were most of the dense families' loss with 1: version 34).
+    template <int kSight, typename Walk>
     __device__ static int sight(const Walk& walk, int block, const BlockBounds& b) {
+        constexpr int kEvery = (1 << kGroups) - 1;
+        if (kSight == 0 || (kSight == 2 && !walk.compare(block, b).intervals)) return kEvery;
         int s = 0;
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) {
-            s |= int(!kPerGroupSight || walk.rows_see(block, b, walk.r0 + 64 * g, walk.r0 + 64 * g + 64)) << g;
+            s |= int(walk.rows_see(block, b, walk.r0 + 64 * g, walk.r0 + 64 * g + 64)) << g;
         }
         return s;
     }

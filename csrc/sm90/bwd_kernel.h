@@ -68,9 +68,9 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 // previous_visitor) and then writes its own number. Key blocks that do not see a query block never
 // touch its semaphore: an earlier design counted turns, which every key block had to pass at every
 // query block, so that a document's key blocks waited for every earlier document's jobs to pass
-// theirs (docs/perf_notes.md, version 35). Each key block walks its query blocks downwards
-// (kBwdDetDown). (Key blocks adding in decreasing order, drawn in that order, measured 1.3-1.4x
-// slower on causal masks at head dim 128: version 23.)
+// theirs (docs/perf_notes.md, version 35). Deterministic jobs walk their query blocks downwards
+// where that shortens the waits (kBwdDetDown, tile_config.h). (Key blocks adding in decreasing
+// order, drawn in that order, measured 1.3-1.4x slower on causal masks at head dim 128: version 23.)
 __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
     for (;;) {
         int v;

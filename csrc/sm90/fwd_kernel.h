@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     // tile_config.h. Skipping needs the warpgroups to issue freely: pingpong turns must pair up.
     constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE;
     constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
+    constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -136,12 +137,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
             }
             ++state_q;
-            int sight = Ticket::template sight<kSkip>(walk, n_block, bnd);
+            int sight = Ticket::template sight<kSight>(walk, n_block, bnd);
             Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
             while (n_block >= 0) {
                 bnd = walk.bounds_of(n_block - 1);
                 const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
-                sight = n_next >= 0 ? Ticket::template sight<kSkip>(walk, n_next, bnd) : 0;
+                sight = n_next >= 0 ? Ticket::template sight<kSight>(walk, n_next, bnd) : 0;
                 ticket.set_next(sight, n_next < 0);
                 // The block's ring slot, filled before the arrival on its K stage publishes it.
                 const int slot = queued % Traits::kSlots;

@@ -17,7 +17,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from masks import FAMILIES  # noqa: E402
 from masks.examples import example  # noqa: E402
-from masks.format import to_dense  # noqa: E402
+from masks.format import to_dense, unpack  # noqa: E402
+
+
+def interval_bounds(mask: torch.Tensor, causal: bool, sq: int, block_n: int) -> List[torch.Tensor]:
+    """Per key block of block_n columns, the four bounds the kernels' partial test reads (the
+    minimum of LTS and UTS, the maximum of LTE and UTE, absent vectors at their neutral values),
+    each [B, Hm, key blocks]."""
+    iv = unpack(mask, causal)
+    lte = iv.lte if iv.lte is not None else torch.full_like(iv.lts, sq)
+    uts = iv.uts if iv.uts is not None else torch.zeros_like(iv.lts)
+    ute = iv.ute if iv.ute is not None else torch.zeros_like(iv.lts)
+    sk = iv.lts.shape[-1]
+    pad = -sk % block_n
+    big = 1 << 30
+
+    def per_block(v: torch.Tensor, fill: int, reduce) -> torch.Tensor:
+        v = torch.nn.functional.pad(v.long(), (0, pad), value=fill)
+        return reduce(v.view(*v.shape[:-1], -1, block_n), -1)
+
+    return [per_block(iv.lts, big, torch.amin), per_block(lte, -big, torch.amax),
+            per_block(uts, big, torch.amin), per_block(ute, -big, torch.amax)]
 
 
 def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, chunk_rows: int = 2048,
@@ -26,17 +46,22 @@ def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, ch
     tiles and the visited tiles some element masks, over every (batch, mask head) of a square mask
     (Sq = Sk, as the benchmark's).
 
-    With warpgroup_rows (a divisor of block_m) also `computed_leading`: the pairs computed when each
-    warpgroup of that many rows skips its leading blocks, those of the tile's walk (key blocks in
-    decreasing order) above the last block its own rows see."""
+    With warpgroup_rows (a divisor of block_m) also the pairs computed when each warpgroup of that
+    many rows skips some blocks of the tile's walk (key blocks in decreasing order):
+    `computed_leading`, those above the last block its own rows see; `computed_skip`, every block
+    its rows do not see (the SM90 forward's FLASHMASK_SM90_FWD_WG_SKIP=1 and 3); `computed_skip_cut`,
+    those only where the column intervals cut the tile partly by the kernels' bounds test
+    (FWD_WG_SKIP=2: a block the causal diagonal alone crosses is computed by every warpgroup)."""
     b, hm, sk = mask.shape[:3]
     sq = sk
+    lts_min, lte_max, uts_min, ute_max = interval_bounds(mask, causal, sq, block_n) if warpgroup_rows else [None] * 4
     chunk_rows = max(block_m, chunk_rows // block_m * block_m)  # whole query tiles per chunk
     n_tiles = -(-sk // block_n)
     sub = warpgroup_rows or block_m
     if block_m % sub:
         raise ValueError(f"warpgroup_rows={warpgroup_rows} must divide block_m={block_m}")
-    counts = dict(visible=0, computed=0, tiles=0, partial=0, computed_leading=0)
+    counts = dict(visible=0, computed=0, tiles=0, partial=0, computed_leading=0, computed_skip=0,
+                  computed_skip_cut=0)
     for r0 in range(0, sq, chunk_rows):
         rows = to_dense(mask, causal, rows=slice(r0, min(r0 + chunk_rows, sq)))  # [B, Hm, rows, Sk]
         m = rows.shape[2]
@@ -61,9 +86,18 @@ def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, ch
             last_seen = torch.where(per_wg, n, -1).amax(-1, keepdim=True)  # [B, Hm, m_tiles, wgs, 1]
             walked = visited.unsqueeze(3) & (n <= last_seen)
             wg_rows = (torch.arange(m_tiles * block_m).view(m_tiles, -1, sub) < m).sum(-1)  # real rows
-            counts["computed_leading"] += int((walked * wg_rows.view(m_tiles, -1, 1) * widths).sum())
+            group_size = wg_rows.view(m_tiles, -1, 1) * widths  # real pairs of a (warpgroup, block)
+            counts["computed_leading"] += int((walked * group_size).sum())
+            counts["computed_skip"] += int(((visited.unsqueeze(3) & per_wg) * group_size).sum())
+            t0 = r0 + torch.arange(m_tiles).view(-1, 1) * block_m  # each tile's rows [t0, t1)
+            t1 = torch.clamp(t0 + block_m, max=sq)
+            cut = (((t1 > lts_min.unsqueeze(2)) & (t0 < lte_max.unsqueeze(2)))
+                   | ((t1 > uts_min.unsqueeze(2)) & (t0 < ute_max.unsqueeze(2))))  # [B, Hm, m_tiles, n_tiles]
+            kept = visited.unsqueeze(3) & (per_wg | ~cut.unsqueeze(3))
+            counts["computed_skip_cut"] += int((kept * group_size).sum())
     if not warpgroup_rows:
-        del counts["computed_leading"]
+        for key in ("computed_leading", "computed_skip", "computed_skip_cut"):
+            del counts[key]
     return counts
 
 
@@ -81,14 +115,16 @@ def main() -> None:
     parser.add_argument("--seqlens", default="8k,32k", help="comma list; 'k' suffix = 1024")
     parser.add_argument("--tiles", default="192x128,128x128,64x128", help="block_m x block_n, comma list")
     parser.add_argument("--warpgroup-rows", type=int, default=0,
-                        help="also the ratio when each warpgroup of this many rows skips its leading blocks")
+                        help="also the ratios when each warpgroup of this many rows skips its leading "
+                             "blocks, every block it does not see, and those only where the intervals cut the tile")
     args = parser.parse_args()
     families = list(FAMILIES) if args.families == "all" else args.families.split(",")
     tiles = parse_tiles(args.tiles)
     lead = args.warpgroup_rows
     print("visible / computed pairs (share of visited tiles with masked elements"
-          + (f"; with {lead}-row warpgroups skipping their leading blocks)" if lead else ")"))
-    width = 24 if lead else 16
+          + (f"; with {lead}-row warpgroups skipping their leading blocks / every unseen block / "
+             "unseen blocks the intervals cut)" if lead else ")"))
+    width = 40 if lead else 16
     print(f"{'family':24s} {'seqlen':>7s} " + " ".join(f"{f'{m}x{n}':>{width}s}" for m, n in tiles))
     for family in families:
         for s in parse_seqlens(args.seqlens):
@@ -98,7 +134,8 @@ def main() -> None:
                 c = tile_counts(mask, causal, m, n, warpgroup_rows=lead if lead and m % lead == 0 else 0)
                 cell = f"{c['visible'] / c['computed']:.3f} ({c['partial'] / c['tiles']:.2f})"
                 if "computed_leading" in c:
-                    cell += f"; {c['visible'] / c['computed_leading']:.3f}"
+                    cell += "; " + " / ".join(f"{c['visible'] / c[k]:.3f}" for k in
+                                              ("computed_leading", "computed_skip", "computed_skip_cut"))
                 cells.append(cell)
             print(f"{family:24s} {s:7d} " + " ".join(f"{x:>{width}s}" for x in cells), flush=True)
 

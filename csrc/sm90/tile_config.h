@@ -26,8 +26,8 @@ struct FwdTile {
 // families -2-6% (full, causal, share question: their causal 32K margin over Flex is 1.32x), so
 // both stay off (docs/perf_notes.md, version 34: most of that loss follows the producer's per-group
 // sight tests, not the consumers' runs). FWD_WG_COMPARE alone: within noise. FWD_WG_SKIP=2 tests a
-// block per warpgroup only where the column intervals cut it partly (GroupTicket::sight; not yet
-// run on a GPU).
+// block per warpgroup only where the column intervals cut it partly, 3 only where the tile needs a
+// compare (GroupTicket::sight; neither run on a GPU yet).
 #ifndef FLASHMASK_SM90_FWD_WG_COMPARE
 #define FLASHMASK_SM90_FWD_WG_COMPARE 0
 #endif

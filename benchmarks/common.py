@@ -267,7 +267,8 @@ def tile_stats(startend: Optional[torch.Tensor], causal: bool, seqlen_q: int, bl
     A tile is skipped when the causal triangle or one interval hides it whole (from the per-block
     min/max); it is partial when the causal diagonal or an interval may touch it. Returns counts
     ``tiles``, ``live`` (not skipped), ``partial`` and ``live_fraction``, summed over (b, mask head);
-    ``return_maps`` adds the bool maps ``live_map`` and ``partial_map`` ``[B, Hm, n_query_tiles, n_key_blocks]``.
+    ``return_maps`` adds the bool maps ``live_map`` and ``partial_map`` ``[B, Hm, n_query_tiles, n_key_blocks]``,
+    and ``cut_map``: the tiles the column intervals alone may touch (the causal diagonal left out).
     """
     if startend is None:  # nothing masked beyond causal: LTS = Sq (and UTE = 0 when non-causal)
         sk = int(seqlen_k)
@@ -290,7 +291,8 @@ def tile_stats(startend: Optional[torch.Tensor], causal: bool, seqlen_q: int, bl
     (lts_lo, lts_hi), (lte_lo, lte_hi) = mm(lts), mm(lte)
     (uts_lo, uts_hi), (ute_lo, ute_hi) = mm(uts), mm(ute)
     full = ((r0 >= lts_hi) & (r1 <= lte_lo)) | ((r0 >= uts_hi) & (r1 <= ute_lo))
-    part = ((r1 > lts_lo) & (r0 < lte_hi)) | ((r1 > uts_lo) & (r0 < ute_hi))
+    cut = ((r1 > lts_lo) & (r0 < lte_hi)) | ((r1 > uts_lo) & (r0 < ute_hi))
+    part = cut
     if causal:  # key j visible from row j - off on: the block is hidden if its first key is past the last row
         full = full | (c0 > (r1 - 1 + off))
         part = part | ((c1 - 1) > (r0 + off))
@@ -300,7 +302,7 @@ def tile_stats(startend: Optional[torch.Tensor], causal: bool, seqlen_q: int, bl
     n_live = int(live.sum())
     out = {"tiles": tiles, "live": n_live, "partial": int(part.sum()), "live_fraction": n_live / max(tiles, 1)}
     if return_maps:
-        out["live_map"], out["partial_map"] = live, part
+        out["live_map"], out["partial_map"], out["cut_map"] = live, part, cut
     return out
 
 

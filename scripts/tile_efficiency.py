@@ -17,27 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from masks import FAMILIES  # noqa: E402
 from masks.examples import example  # noqa: E402
-from masks.format import to_dense, unpack  # noqa: E402
-
-
-def interval_bounds(mask: torch.Tensor, causal: bool, sq: int, block_n: int) -> List[torch.Tensor]:
-    """Per key block of block_n columns, the four bounds the kernels' partial test reads (the
-    minimum of LTS and UTS, the maximum of LTE and UTE, absent vectors at their neutral values),
-    each [B, Hm, key blocks]."""
-    iv = unpack(mask, causal)
-    lte = iv.lte if iv.lte is not None else torch.full_like(iv.lts, sq)
-    uts = iv.uts if iv.uts is not None else torch.zeros_like(iv.lts)
-    ute = iv.ute if iv.ute is not None else torch.zeros_like(iv.lts)
-    sk = iv.lts.shape[-1]
-    pad = -sk % block_n
-    big = 1 << 30
-
-    def per_block(v: torch.Tensor, fill: int, reduce) -> torch.Tensor:
-        v = torch.nn.functional.pad(v.long(), (0, pad), value=fill)
-        return reduce(v.view(*v.shape[:-1], -1, block_n), -1)
-
-    return [per_block(iv.lts, big, torch.amin), per_block(lte, -big, torch.amax),
-            per_block(uts, big, torch.amin), per_block(ute, -big, torch.amax)]
+from masks.format import to_dense  # noqa: E402
+from benchmarks.common import tile_stats  # noqa: E402
 
 
 def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, chunk_rows: int = 2048,
@@ -54,7 +35,8 @@ def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, ch
     (FWD_WG_SKIP=2: a block the causal diagonal alone crosses is computed by every warpgroup)."""
     b, hm, sk = mask.shape[:3]
     sq = sk
-    lts_min, lte_max, uts_min, ute_max = interval_bounds(mask, causal, sq, block_n) if warpgroup_rows else [None] * 4
+    # The kernels' bounds test of whether the column intervals cut each tile: [B, Hm, query tiles, key blocks].
+    cut_map = tile_stats(mask, causal, sq, block_m, block_n, return_maps=True)["cut_map"] if warpgroup_rows else None
     chunk_rows = max(block_m, chunk_rows // block_m * block_m)  # whole query tiles per chunk
     n_tiles = -(-sk // block_n)
     sub = warpgroup_rows or block_m
@@ -89,11 +71,8 @@ def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, ch
             group_size = wg_rows.view(m_tiles, -1, 1) * widths  # real pairs of a (warpgroup, block)
             counts["computed_leading"] += int((walked * group_size).sum())
             counts["computed_skip"] += int(((visited.unsqueeze(3) & per_wg) * group_size).sum())
-            t0 = r0 + torch.arange(m_tiles).view(-1, 1) * block_m  # each tile's rows [t0, t1)
-            t1 = torch.clamp(t0 + block_m, max=sq)
-            cut = (((t1 > lts_min.unsqueeze(2)) & (t0 < lte_max.unsqueeze(2)))
-                   | ((t1 > uts_min.unsqueeze(2)) & (t0 < ute_max.unsqueeze(2))))  # [B, Hm, m_tiles, n_tiles]
-            kept = visited.unsqueeze(3) & (per_wg | ~cut.unsqueeze(3))
+            cut = cut_map[:, :, r0 // block_m:r0 // block_m + m_tiles].unsqueeze(3)
+            kept = visited.unsqueeze(3) & (per_wg | ~cut)
             counts["computed_skip_cut"] += int((kept * group_size).sum())
     if not warpgroup_rows:
         for key in ("computed_leading", "computed_skip", "computed_skip_cut"):

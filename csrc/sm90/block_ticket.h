@@ -1,7 +1,7 @@
 // A block as a producer warp queues it for the consumers of the SM90 kernels: its index and what
 // its tile needs, so that the consumers read no bounds themselves. The backward queues query
-// blocks (BlockTicket), the forward key blocks (GroupTicket); both write a block's ticket into a ring slot before they claim
-// the block's pipeline stage, whose arrival publishes it.
+// blocks (BlockTicket), the forward key blocks (GroupTicket); both write a block's ticket into a
+// ring slot before they claim the block's pipeline stage, whose arrival publishes it.
 #pragma once
 #include "mask/block_walk.h"
 

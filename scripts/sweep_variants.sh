@@ -10,14 +10,18 @@
 #   TESTS="tests/test_cuda_bwd.py"   run these GPU tests in each variant before the timings
 #   TEST_VARIANTS="next lead"        only in these variants (default: every one)
 #   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
+#   ARCHS=90 (or 80,90: the SM80 kernels too, e.g. for their GPU tests)
 #   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
+#   FAMILIES=all (or a comma list)  the mask families to time
+#   PASSES=1 (or 2)                  2: time the variants again in reverse order (columns <name>_2),
+#                                    to tell a change from the drift of a quick run (3-6%)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
 #                                    folder (e.g. ncu)
 # Prints one line per (head dim, family, seqlen, mode) with each variant's TFLOP/s (scripts/sweep_table.py),
 # also written to $OUT/sweep.csv (each variant's own CSV stays under $OUT/<name>/).
 set -o pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}; MODES=${MODES:-fwd}
+HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}; MODES=${MODES:-fwd}; ARCHS=${ARCHS:-90}
 read -r -a VARS <<< "${VARIANTS:?VARIANTS=\"name=flags ...\"}"
 python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v "^WARNING" | tail -3
 jobs=$(( 16 / ${#VARS[@]} )); [ $jobs -lt 2 ] && jobs=2
@@ -31,7 +35,7 @@ for v in "${VARS[@]}"; do
     defs=""; IFS=, read -r -a kvs <<< "$flags"
     for kv in "${kvs[@]}"; do [ -n "$kv" ] && defs+="#define FLASHMASK_SM90_${kv%%=*} ${kv#*=}"$'\n'; done
     printf '%s' "$defs" | cat - "$src/csrc/sm90/tile_config.h" > "$dir/csrc/sm90/tile_config.h"
-    ( cd "$dir" && FLASHMASK_BUILD_CUDA=1 FLASHMASK_PTXAS_VERBOSE=1 FLASHMASK_ARCHS=90 FLASHMASK_HEAD_DIMS=$HEAD_DIM FLASHMASK_DTYPES=$DTYPE \
+    ( cd "$dir" && FLASHMASK_BUILD_CUDA=1 FLASHMASK_PTXAS_VERBOSE=1 FLASHMASK_ARCHS=$ARCHS FLASHMASK_HEAD_DIMS=$HEAD_DIM FLASHMASK_DTYPES=$DTYPE \
         MAX_JOBS=$jobs python3 setup.py build_ext --inplace > "$OUT/build_$name.log" 2>&1 \
         || echo "BUILD FAILED: $name" ) &
     export "V_$name=$dir"
@@ -49,13 +53,18 @@ if [ -n "${TESTS:-}" ]; then
             > "$OUT/tests_$name.log" 2>&1; echo "tests $name: $(tail -1 "$OUT/tests_$name.log")" )
     done
 fi
-for v in "${VARS[@]}"; do
-    name=${v%%=*}; dir=/tmp/variant_$name
-    ( cd "$dir" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
-        --head-dims "$HEAD_DIM" --modes "$MODES" --methods "${METHODS:-flashmask}" --quick --out "$OUT/$name" > "$OUT/bench_$name.log" 2>&1 \
-        || { echo "BENCH FAILED: $name"; tail -5 "$OUT/bench_$name.log"; } )
-done
+columns=()
+bench() {  # bench <variant> <column>
+    ( cd "/tmp/variant_$1" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
+        --families "${FAMILIES:-all}" --head-dims "$HEAD_DIM" --modes "$MODES" --methods "${METHODS:-flashmask}" --quick \
+        --out "$OUT/$2" > "$OUT/bench_$2.log" 2>&1 || { echo "BENCH FAILED: $2"; tail -5 "$OUT/bench_$2.log"; } )
+    columns+=("$2")
+}
+for v in "${VARS[@]}"; do bench "${v%%=*}" "${v%%=*}"; done
+if [ "${PASSES:-1}" -ge 2 ]; then
+    for (( i=${#VARS[@]}-1; i>=0; i-- )); do bench "${VARS[i]%%=*}" "${VARS[i]%%=*}_2"; done
+fi
 [ -n "${AFTER:-}" ] && eval "$AFTER"
-python3 scripts/sweep_table.py "$OUT" "${VARS[@]%%=*}"
+python3 scripts/sweep_table.py "$OUT" "${columns[@]}"
 # The device tool brings back only a few files: the JSON twins of the variants' CSVs would crowd out the rest.
 rm -f "$OUT"/*/kernels.json

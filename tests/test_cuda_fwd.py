@@ -148,6 +148,21 @@ def test_split_kv(causal, c, sq, sk, num_splits):
     assert_close_to_reference(out, lse, q, k, v, mask, causal)
 
 
+@pytest.mark.parametrize("family", ["sliding_window", "causal_document", "prefix_lm_document", "global_sliding_window"])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_mask_families(family, num_splits):
+    # The splits share out a tile's key blocks from the lowest one it sees (the mask metadata's
+    # floor) up: a window's or a document's tile splits only the blocks around it.
+    if cuda_cases.BACKEND != "sm80":
+        pytest.skip("split-KV runs on the SM80 kernels only")
+    startend, causal = example(family, 1500, batch_size=2, device="cuda")
+    q, k, v = make_qkv(2, 1500, 1500, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
+    cuda_cases.skip_unless_backend_serves(q)
+    out, lse = _cuda.fwd(q, k, v, startend, causal, q.shape[-1] ** -0.5, False, num_splits, arch_of("sm80"))
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, lse, q, k, v, startend, causal)
+
+
 def test_partial_build_names_missing_head_dims():
     """A build without the larger head dims (FLASHMASK_HEAD_DIMS) raises from the binding itself,
     not only from flashmask_attention's check, and the process survives to run a supported call."""

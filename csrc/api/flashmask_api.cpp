@@ -98,6 +98,7 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.mask = meta.mask.data_ptr<int>();
     p.bounds = meta.bounds.data_ptr<int>();
     p.tile_order = meta.order.defined() ? meta.order.data_ptr<int>() : nullptr;
+    p.tile_floor = meta.floor.defined() ? meta.floor.data_ptr<int>() : nullptr;
     p.job_list = jobs != Jobs::none ? meta.jobs.data_ptr<int>() : nullptr;
     p.mask_c = c;
     p.hm = hm;

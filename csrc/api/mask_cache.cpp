@@ -33,7 +33,7 @@ constexpr size_t kCapacity = 16;
 //   with its computation, and its memory (freed on eviction) belongs to that stream's pool. The
 //   handle of the legacy default stream is the same on every device, hence the device.
 // - causal, sq: the bounds read each column through read_column(causal, sq), which clamps to Sq.
-// The tile sizes key the bounds (block_n) and tile orders (block_m, block_n) inside an entry.
+// The tile sizes key the bounds (block_n) and tile orders and floors (block_m, block_n) inside an entry.
 struct Key {
     const c10::TensorImpl* impl;
     const void* data;
@@ -60,7 +60,7 @@ struct Entry {
     WeakImpl owner;
     at::Tensor copy;  // the contiguous copy of a strided mask; undefined when the mask was contiguous
     std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
-    std::vector<std::pair<std::pair<int, int>, at::Tensor>> orders;  // by (block_m, block_n)
+    std::vector<std::pair<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>>> tiles;  // (order, floor) by (block_m, block_n)
     std::vector<std::pair<std::tuple<int, int, int, bool>, at::Tensor>> jobs;  // by (block_m, block_n, hq, key_blocks)
 };
 
@@ -76,8 +76,8 @@ Cache& cache() {
     return *c;
 }
 
-template <class K>
-at::Tensor find(const std::vector<std::pair<K, at::Tensor>>& xs, const K& k) {
+template <class K, class V>
+V find(const std::vector<std::pair<K, V>>& xs, const K& k) {
     for (const auto& x : xs) {
         if (x.first == k) return x.second;
     }
@@ -109,16 +109,18 @@ at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block
     return bounds;
 }
 
-// Per query tile of block_m rows, the key blocks it visits (the forward); or with key_blocks, per
-// key block, the query blocks of block_m rows that see it (the backward).
-at::Tensor compute_work(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m, int block_n, bool key_blocks,
-                        cudaStream_t stream) {
+// Per query tile of block_m rows, the key blocks it visits and the lowest of them (the forward:
+// MaskMeta::floor); or with key_blocks, per key block, the query blocks of block_m rows that see
+// it (the backward; floor left undefined).
+std::pair<at::Tensor, at::Tensor> compute_work(const at::Tensor& bounds, bool causal, int sq, int sk, int block_m,
+                                               int block_n, bool key_blocks, cudaStream_t stream) {
     const int batch_heads = bounds.size(0) * bounds.size(1);
     const int n_blocks = bounds.size(2), m_tiles = (sq + block_m - 1) / block_m;
     at::Tensor work = at::empty({batch_heads, key_blocks ? n_blocks : m_tiles}, bounds.options());
-    launch_work(bounds.data_ptr<int>(), work.data_ptr<int>(), batch_heads, n_blocks, m_tiles, block_m, block_n, sq, sk,
-                causal, key_blocks, stream);
-    return work;
+    at::Tensor floor = key_blocks ? at::Tensor() : at::empty_like(work);
+    launch_work(bounds.data_ptr<int>(), work.data_ptr<int>(), key_blocks ? nullptr : floor.data_ptr<int>(),
+                batch_heads, n_blocks, m_tiles, block_m, block_n, sq, sk, causal, key_blocks, stream);
+    return {work, floor};
 }
 
 // Longest tiles first: a few tiles may see far more keys than the rest (global tokens, a prefix),
@@ -154,8 +156,11 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
     const bool want_jobs = block_m > 0 && jobs_hq > 0 && !m.jobs.defined();
     const bool want_order = block_m > 0 && !key_blocks && !m.order.defined();
     if (want_order || want_jobs) {
-        const at::Tensor work = compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_blocks, stream);
-        if (want_order) m.order = compute_order(work);
+        const auto [work, floor] = compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_blocks, stream);
+        if (want_order) {
+            m.order = compute_order(work);
+            m.floor = floor;
+        }
         if (want_jobs) m.jobs = compute_jobs(work, m.mask.size(0), jobs_hq);
         computed = true;
     }
@@ -198,7 +203,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
                 c.lru.splice(c.lru.begin(), c.lru, it);
                 m.mask = it->copy.defined() ? it->copy : user_mask;
                 m.bounds = find(it->bounds, block_n);
-                if (want_order) m.order = find(it->orders, std::make_pair(block_m, block_n));
+                if (want_order) std::tie(m.order, m.floor) = find(it->tiles, std::make_pair(block_m, block_n));
                 if (block_m > 0 && jobs_hq > 0) m.jobs = find(it->jobs, jobs_key);
             }
             it = next;
@@ -227,8 +232,8 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
         while (c.lru.size() > kCapacity) dropped.splice(dropped.end(), c.lru, std::prev(c.lru.end()));
     }
     if (!find(it->bounds, block_n).defined()) it->bounds.emplace_back(block_n, m.bounds);
-    if (want_order && !find(it->orders, std::make_pair(block_m, block_n)).defined()) {
-        it->orders.emplace_back(std::make_pair(block_m, block_n), m.order);
+    if (want_order && !find(it->tiles, std::make_pair(block_m, block_n)).first.defined()) {
+        it->tiles.emplace_back(std::make_pair(block_m, block_n), std::make_pair(m.order, m.floor));
     }
     if (block_m > 0 && jobs_hq > 0 && !find(it->jobs, jobs_key).defined()) it->jobs.emplace_back(jobs_key, m.jobs);
     return m;

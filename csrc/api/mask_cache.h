@@ -15,6 +15,9 @@ struct MaskMeta {
     at::Tensor mask;    // contiguous int32 [B, Hm, Sk, C]
     at::Tensor bounds;  // [B, Hm, ceil(Sk / block_n), kNumBounds]: per-key-block min/max (mask/bounds.h)
     at::Tensor order;   // int32 [B * Hm, ceil(Sq / block_m)]: query tiles longest first; only if block_m > 0
+    // int32 [B * Hm, ceil(Sq / block_m)]: the lowest key block each query tile sees (n_key_blocks if
+    // none), where the forward's downward walk stops; with order.
+    at::Tensor floor;
     // A job list, int32 [B * Hq * tiles] of (b * Hq + h) * tiles + tile: every (tile, head, batch) job,
     // heaviest work first in buckets within a factor sqrt(2) of each other, and within a bucket by
     // batch, head and decreasing work, so that CTAs in flight together share few heads (what they

@@ -37,6 +37,10 @@ struct AttnParams {
     // Forward launch order: query tiles of each (batch, mask head) by decreasing work
     // ([B, Hm, m_tiles]), so that long tiles start first; nullptr: reversed for causal.
     const int* tile_order;
+    // The lowest key block each of those tiles sees ([B, Hm, m_tiles], n_key_blocks if none): the
+    // forward's downward walk stops there instead of classifying every masked block below a window
+    // or a document (at 128K, 32 blocks a dependent load: 16 loads a job). nullptr: 0.
+    const int* tile_floor;
 
     // Launch order over heads: CTA x is (head group, job, head in the group) with the group's
     // heads interleaved (job_and_head). Interleaving every head runs the heaviest causal jobs of

@@ -47,7 +47,7 @@ template <int kBlockN, bool Is_causal, bool Has_mask>
 struct KeyBlockWalk {
     const int* bounds;  // this (batch, mask head)'s [n_key_blocks, 8], or nullptr
     int r0, r1, sk, causal_offset;
-    int n_floor = 0;  // the walk stops below this block (split-KV: the start of the split)
+    int n_floor = 0;  // the walk stops below this block: the lowest the tile sees (tile_floor), or a split's start
 
     __device__ BlockBounds bounds_of(int n) const {
         return Has_mask && n >= n_floor ? load_bounds(bounds + n * kNumBounds) : BlockBounds{};

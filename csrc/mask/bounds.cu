@@ -47,9 +47,11 @@ __global__ void mask_bounds_kernel(const int* __restrict__ mask, int* __restrict
     }
 }
 
-// One warp per query tile: its lanes classify the key blocks up to the causal bound.
-__global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int total_tiles, int n_blocks,
-                                 int m_tiles, int block_m, int block_n, int sq, int sk, bool causal) {
+// One warp per query tile: its lanes classify the key blocks up to the causal bound; the count of
+// visible ones, and the lowest (n_blocks if none) into floors.
+__global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int* __restrict__ floors,
+                                 int total_tiles, int n_blocks, int m_tiles, int block_m, int block_n, int sq, int sk,
+                                 bool causal) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= total_tiles) return;
@@ -61,16 +63,26 @@ __global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict
         n_end = last_key < 0 ? 0 : min(n_end, last_key / block_n + 1);
     }
     const int* b = bounds + int64_t(warp / m_tiles) * n_blocks * kNumBounds;
-    int count = 0;
-    for (int n = lane; n < n_end; n += 32) count += !classify_tile(b + n * kNumBounds, r0, r1).fully_masked;
-    for (int s = 16; s > 0; s /= 2) count += __shfl_xor_sync(0xffffffffu, count, s);
-    if (lane == 0) work[warp] = count;
+    int count = 0, lowest = n_blocks;
+    for (int n = lane; n < n_end; n += 32) {
+        const bool visible = !classify_tile(b + n * kNumBounds, r0, r1).fully_masked;
+        count += visible;
+        if (visible) lowest = min(lowest, n);
+    }
+    for (int s = 16; s > 0; s /= 2) {
+        count += __shfl_xor_sync(0xffffffffu, count, s);
+        lowest = min(lowest, __shfl_xor_sync(0xffffffffu, lowest, s));
+    }
+    if (lane == 0) {
+        work[warp] = count;
+        floors[warp] = lowest;
+    }
 }
 
 // One warp per key block: the number of query blocks of block_m rows that see any of its keys
 // (what the backward's walk visits).
-__global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int total_blocks,
-                                      int n_blocks, int m_blocks, int block_m, int block_n, int sq, int sk, bool causal) {
+__global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int* /*floors*/,
+                                      int total_blocks, int n_blocks, int m_blocks, int block_m, int block_n, int sq, int sk, bool causal) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= total_blocks) return;
@@ -87,14 +99,14 @@ __global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __res
 
 }  // namespace
 
-void launch_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m, int block_n,
-                 int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream) {
+void launch_work(const int* bounds, int* work, int* floors, int batch_heads, int n_blocks, int m_tiles, int block_m,
+                 int block_n, int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream) {
     const int total = batch_heads * (key_blocks ? n_blocks : m_tiles);  // one warp each
     if (total == 0) return;
     constexpr int kThreads = 256;
     const int grid = (total * 32 + kThreads - 1) / kThreads;
     (key_blocks ? key_block_work_kernel : tile_work_kernel)<<<grid, kThreads, 0, stream>>>(
-        bounds, work, total, n_blocks, m_tiles, block_m, block_n, sq, sk, causal);
+        bounds, work, floors, total, n_blocks, m_tiles, block_m, block_n, sq, sk, causal);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

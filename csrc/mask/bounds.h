@@ -12,10 +12,11 @@ namespace flashmask {
 void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
                         int block_n, cudaStream_t stream);
 
-// work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits; with
-// key_blocks, work [B * Hm, n_blocks] <- the number of query blocks of block_m rows that see each
-// key block.
-void launch_work(const int* bounds, int* work, int batch_heads, int n_blocks, int m_tiles, int block_m, int block_n,
-                 int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream);
+// work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits, and
+// floors [B * Hm, m_tiles] <- the lowest of them (n_blocks if none); with key_blocks, work
+// [B * Hm, n_blocks] <- the number of query blocks of block_m rows that see each key block (floors
+// unused).
+void launch_work(const int* bounds, int* work, int* floors, int batch_heads, int n_blocks, int m_tiles, int block_m,
+                 int block_n, int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream);
 
 }  // namespace flashmask

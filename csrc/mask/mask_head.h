@@ -19,4 +19,11 @@ __device__ __forceinline__ MaskHead mask_head(const AttnParams& p, int b, int h)
     return {p.bounds + mh * p.n_key_blocks * kNumBounds, p.mask + mh * p.sk * p.mask_c};
 }
 
+// Where the downward key walk of query tile m_block (of m_tiles, in the forward's tile shape) may
+// stop: the lowest key block the tile sees, from the mask metadata; 0 where there is none.
+__device__ __forceinline__ int tile_floor(const AttnParams& p, int b, int h, int m_block, int m_tiles) {
+    if (p.tile_floor == nullptr) return 0;
+    return p.tile_floor[(int64_t(b) * p.hm + h / p.q_per_mask_head) * m_tiles + m_block];
+}
+
 }  // namespace flashmask

@@ -54,9 +54,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     const FwdOutput<Element> output(p, b, h, split_idx);
 
     int n_end = walk.end();
-    if (split) {  // this CTA's share of the key blocks
-        const int per_split = (n_end + p.num_splits - 1) / p.num_splits;
-        walk.n_floor = split_idx * per_split;
+    if (Has_mask) walk.n_floor = tile_floor(p, b, h, m_block, m_tiles);
+    if (split) {  // this CTA's share of the key blocks the tile may see
+        const int per_split = max(0, (n_end - walk.n_floor + p.num_splits - 1) / p.num_splits);
+        walk.n_floor += split_idx * per_split;
         n_end = min(n_end, walk.n_floor + per_split);
     }
     BlockBounds bnd = walk.bounds_of(n_end - 1);

@@ -57,7 +57,8 @@ struct TileJob {
         mask = mask_head(p, b, h);
     }
     __device__ KeyBlockWalk<Traits::kBlockN, Is_causal, Has_mask> walk(const AttnParams& p) const {
-        return {mask.bounds, r0, r1, p.sk, p.sk - p.sq};
+        const int m_tiles = (p.sq + Traits::kBlockM - 1) / Traits::kBlockM;
+        return {mask.bounds, r0, r1, p.sk, p.sk - p.sq, Has_mask ? tile_floor(p, b, h, m_block, m_tiles) : 0};
     }
 };
 

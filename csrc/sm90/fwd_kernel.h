@@ -60,6 +60,14 @@ struct TileJob {
         const int m_tiles = (p.sq + Traits::kBlockM - 1) / Traits::kBlockM;
         return {mask.bounds, r0, r1, p.sk, p.sk - p.sq, Has_mask ? tile_floor(p, b, h, m_block, m_tiles) : 0};
     }
+    // The highest visible key block, where the downward walk starts, or -1 (nothing to load); bnd
+    // is left holding its bounds.
+    __device__ int top_block(const AttnParams& p, BlockBounds& bnd) const {
+        const auto w = walk(p);
+        const int n_last = w.end() - 1;
+        bnd = w.bounds_of(n_last);
+        return w.visible_at_or_below(n_last, bnd);
+    }
 };
 
 template <typename Traits, bool Is_causal, int kMaskC, typename Args>
@@ -109,6 +117,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQStages{});
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
 
+    // Job x decoded, and its highest visible key block (-1: none, or no job x).
+    auto decode = [&](int x, int& n_top) {
+        FwdSlot s{x, {}, 0};
+        n_top = -1;
+        if (scheduler.valid(x)) {
+            s.job = scheduler.template job<Is_causal>(p, x);
+            BlockBounds bnd;
+            n_top = Job(p, s.job).top_block(p, bnd);
+            s.visible = n_top >= 0;
+        }
+        return s;
+    };
+
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
         if (warp != 0) return;
@@ -119,13 +140,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         auto state = cutlass::make_producer_start_state<Pipeline>();
         auto state_q = cutlass::make_producer_start_state<PipelineQ>();
         int queued = 0;  // ring slots filled, over all jobs
-        for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.publish_next(p, x, shared.next_job)) {
-            const Job tile(p, scheduler.template job<Is_causal>(p, x));
+        // Issues a job's loads, from its highest visible block n_block down.
+        auto load_job = [&](const Job& tile, int n_block) {
             const auto walk = tile.walk(p);
-            const int n_last = walk.end() - 1;
-            BlockBounds bnd = walk.bounds_of(n_last);
-            int n_block = walk.visible_at_or_below(n_last, bnd);
-            if (n_block < 0) continue;  // the consumers write zeros: nothing to load
+            BlockBounds bnd = walk.bounds_of(n_block);
             Tensor gQ = local_tile(mQ(_, _, tile.h, tile.b), typename Traits::TileQ{}, make_coord(tile.m_block, _0{}));
             Tensor gK = local_tile(mK(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
             Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
@@ -166,6 +184,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 n_block = n_next;
                 if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
             }
+        };
+        // Each job's first block is found when the job is drawn, before it is published, and
+        // carried into its turn here.
+        int n_block;
+        for (FwdSlot job = decode(scheduler.first(), n_block); scheduler.valid(job.x);) {
+            if (n_block >= 0) load_job(Job(p, job.job), n_block);  // else the consumers write zeros
+            const FwdSlot next = decode(scheduler.draw(p), n_block);
+            scheduler.publish(job.x, next, shared.next_job);
+            job = next;
         }
         return;
     }
@@ -211,13 +238,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         slot = taken++ % Traits::kSlots;
         return Ticket{shared.tickets[slot]};
     };
-    for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job, cwg)) {
-        const Job tile(p, scheduler.template job<Is_causal>(p, x));
-        const auto walk = tile.walk(p);
-        const int n_last = walk.end() - 1;
+    int n_top;  // later jobs come decoded from the producer
+    for (FwdSlot job = decode(scheduler.first(), n_top); scheduler.valid(job.x);
+         job = scheduler.take_next(shared.next_job, cwg)) {
+        const Job tile(p, job.job);
         const FwdOutput<Element> output(p, tile.b, tile.h, 0);
-        BlockBounds bnd = walk.bounds_of(n_last);
-        if (walk.visible_at_or_below(n_last, bnd) < 0) {  // the producer queued nothing
+        if (!job.visible) {  // the producer queued nothing
             output.write_empty(tile.r0, tile.r1, ctid, Traits::kConsumerThreads);
             continue;
         }
@@ -239,7 +265,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             Tensor s_rc = rowcol(acc_s);
             const TileCompare cmp = ticket.compare(cwg);
             if (cmp.any) {
-                mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, walk.causal_offset,
+                mask_scores<Is_causal, kMaskC>(s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq,
                                                shared.mask_cols[slot]);
             }
             softmax.update_scores(s_rc, p.scale_log2, correction);

@@ -7,6 +7,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "sm90/tile_config.h"
+#include "sm90/tile_scheduler.h"
 #include "sm90/tile_store.h"
 
 namespace flashmask::sm90 {
@@ -87,7 +88,7 @@ struct FwdTraits {
         // intervals cut partly, its raw [BlockN, C] mask columns.
         int tickets[kSlots];
         alignas(16) int mask_cols[kSlots][4 * kBlockN];
-        int next_job;  // the job the producer hands to the consumers (tile_scheduler.h)
+        FwdSlot next_job;  // the job the producer hands to the consumers (tile_scheduler.h)
         typename PipelineQ::SharedStorage pipeline_q;
         typename Pipeline::SharedStorage pipeline_k;
         typename Pipeline::SharedStorage pipeline_v;

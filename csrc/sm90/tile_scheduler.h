@@ -1,7 +1,7 @@
 // The SM90 forward's persistent tile scheduler: one CTA per SM, each taking (query tile, head,
 // batch) jobs until none is left. CTA x starts with job x; after that the producer warp draws the
 // next job from an atomic counter as soon as it has issued the loads of the current one, and hands
-// it to the consumer warpgroups through shared memory. Drawing instead of striding keeps the list
+// it, decoded, to the consumer warpgroups through shared memory. Drawing instead of striding keeps the list
 // schedule of the job order (heaviest first): a CTA that finishes early takes the next job.
 #pragma once
 #include <cutlass/arch/barrier.h>
@@ -27,6 +27,15 @@ struct FwdJob {
     int m_block, h, b;
 };
 
+// What the producer hands to the consumers: the next job's index and, decoded, the job and whether
+// it has a visible key block, so that a consumer starts a job with no global load (the job list's
+// entry and then the tile's bounds were two dependent loads at every job's start).
+struct FwdSlot {
+    int x;
+    FwdJob job;
+    int visible;
+};
+
 // The hand-over: the producer warp publishes into a one-job slot that every consumer has read.
 // Each consumer warpgroup waits for the publication on its own barrier, so that one can start the
 // next job while another, half a block behind in the pingpong, still finishes this one.
@@ -49,26 +58,35 @@ struct FwdScheduler {
         return {j.tile, j.head, j.batch};
     }
 
-    // Producer warp, after issuing job `x`'s loads: draws the next job and publishes it. The first
-    // publication of a CTA has nothing to wait for; each later one waits until the consumers have
-    // read the previous one.
-    __device__ int publish_next(const AttnParams& p, int x, int& slot) const {
+    // Producer warp, after issuing a job's loads: the index of its next job.
+    __device__ int draw(const AttnParams& p) const {
         int next = 0;
         if (threadIdx.x % 32 == 0) next = gridDim.x + atomicAdd(p.job_counter, 1);
-        next = __shfl_sync(0xffffffffu, next, 0);
+        return __shfl_sync(0xffffffffu, next, 0);
+    }
+
+    // Producer warp, after job `x`: publishes the next one. The first publication of a CTA has
+    // nothing to wait for; each later one waits until the consumers have read the previous one.
+    __device__ void publish(int x, const FwdSlot& next, FwdSlot& slot) const {
         if (x != first()) cutlass::arch::NamedBarrier::sync(kEmptyThreads, Barriers::kJobEmpty);
-        // volatile: CUTLASS's named barriers carry no memory clobber for the compiler.
-        if (threadIdx.x % 32 == 0) *static_cast<volatile int*>(&slot) = next;
+        if (threadIdx.x % 32 == 0) {  // volatile: CUTLASS's named barriers carry no memory clobber
+            volatile FwdSlot& s = slot;
+            s.x = next.x;
+            s.job.m_block = next.job.m_block;
+            s.job.h = next.job.h;
+            s.job.b = next.job.b;
+            s.visible = next.visible;
+        }
         for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, Barriers::job_full(wg));
-        return next;
     }
 
     // Consumers, after finishing a job: the next one. The slot is released only if the producer
     // will publish again, i.e. if the job is a real one (no barrier arrival is left pending at exit).
-    __device__ int take_next(const int& slot, int consumer_warpgroup) const {
+    __device__ FwdSlot take_next(const FwdSlot& slot, int consumer_warpgroup) const {
         cutlass::arch::NamedBarrier::sync(kFullThreads, Barriers::job_full(consumer_warpgroup));
-        const int next = *static_cast<const volatile int*>(&slot);
-        if (valid(next)) cutlass::arch::NamedBarrier::arrive(kEmptyThreads, Barriers::kJobEmpty);
+        const volatile FwdSlot& s = slot;
+        const FwdSlot next{s.x, {s.job.m_block, s.job.h, s.job.b}, s.visible};
+        if (valid(next.x)) cutlass::arch::NamedBarrier::arrive(kEmptyThreads, Barriers::kJobEmpty);
         return next;
     }
 };

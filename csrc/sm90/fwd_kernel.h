@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     constexpr int kBlockN = Traits::kBlockN;
     using Ticket = GroupTicket<kWarpgroups>;
     // tile_config.h. Skipping needs the warpgroups to issue freely: pingpong turns must pair up.
-    constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE;
+    constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE && !Barriers::kPingpong;
     constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
     constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
     const AttnParams& p = args.p;

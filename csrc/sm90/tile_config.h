@@ -16,23 +16,24 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_WG64
 #define FLASHMASK_SM90_FWD_WG64 3
 #endif
-// Per consumer warpgroup, from the producer's ticket (block_ticket.h): FWD_WG_COMPARE, each
-// warpgroup runs the element compare only where its own 64 rows need it; FWD_WG_SKIP, without
-// pingpong (three warpgroups at head dim 64), a warpgroup skips the key blocks its rows do not see
-// (a 1024-key window's first and last blocks are seen by part of a 192-row tile only: computed
-// pairs 0.80 -> 0.89 visible on sliding window, scripts/tile_efficiency.py). Its blocks go in runs,
-// each ending with its last P V, so that no wgmma is issued under a condition. H100, head dim 64,
-// both on: global + sliding window +15-24%, sliding window +4-7%, 8K documents +5%, but the dense
-// families -2-6% (full, causal, share question: their causal 32K margin over Flex is 1.32x), so
-// both stay off (docs/perf_notes.md, version 34: most of that loss follows the producer's per-group
-// sight tests, not the consumers' runs). FWD_WG_COMPARE alone: within noise. FWD_WG_SKIP=2 tests a
-// block per warpgroup only where the column intervals cut it partly, 3 only where the tile needs a
-// compare (GroupTicket::sight; neither run on a GPU yet).
+// Per consumer warpgroup, from the producer's ticket (block_ticket.h), in three-warpgroup builds
+// (head dim 64; pingpong builds ignore both): FWD_WG_COMPARE, each warpgroup runs the element
+// compare only where its own 64 rows need it; FWD_WG_SKIP, a warpgroup skips the key blocks its
+// rows do not see (a 1024-key window's first and last blocks are seen by part of a 192-row tile
+// only: computed pairs 0.80 -> 0.89 visible on sliding window, scripts/tile_efficiency.py). Its
+// blocks go in runs, each ending with its last P V, so that no wgmma is issued under a condition.
+// How the producer tells each warpgroup's sight (GroupTicket::sight): 1 tests every block per
+// warpgroup; 2 only blocks the column intervals cut partly; 3 only blocks whose tile needs any
+// compare (the same skips as 1, fewer tests). Version 34's skip (1) cost the dense families 2-12%,
+// mostly in the producer's per-group tests; with 3, once the producer walked no masked blocks
+// (version 36: the tile floor, jobs handed over decoded), H100 head dim 64 with two Q buffers, two
+// passes: sliding window +5-7%, global + sliding window +18% (8K, 32K), causal document +2-9%,
+// full -1% to -3%, the rest within noise (docs/perf_notes.md, version 36).
 #ifndef FLASHMASK_SM90_FWD_WG_COMPARE
-#define FLASHMASK_SM90_FWD_WG_COMPARE 0
+#define FLASHMASK_SM90_FWD_WG_COMPARE 1
 #endif
 #ifndef FLASHMASK_SM90_FWD_WG_SKIP
-#define FLASHMASK_SM90_FWD_WG_SKIP 0
+#define FLASHMASK_SM90_FWD_WG_SKIP 3
 #endif
 // The forward producer warpgroup's registers after setmaxnreg: with 24 its block walk spills a
 // few words per block (more with the per-warpgroup tickets); 32 still leaves the consumers theirs
@@ -41,10 +42,10 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS 24
 #endif
-// Two Q buffers at head dim 64 (head dim 128 has no room): on top of FWD_WG_SKIP, sliding window
-// +2-5% more (version 34); alone not timed.
+// Two Q buffers at head dim 64 (head dim 128 has no room): sliding window +3-6% alone, +2-5% on top
+// of FWD_WG_SKIP (versions 36 and 34).
 #ifndef FLASHMASK_SM90_FWD_Q_STAGES64
-#define FLASHMASK_SM90_FWD_Q_STAGES64 1
+#define FLASHMASK_SM90_FWD_Q_STAGES64 2
 #endif
 constexpr FwdTile fwd_tile(int head_dim) {
     return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,

@@ -110,36 +110,37 @@ struct QueryBlockWalk {
     int c0, sq, sk, causal_offset, m_end;
 
     __device__ int begin() const { return Is_causal ? causal_query_block_begin(c0, causal_offset, kBlockM, m_end) : 0; }
-    // The smallest visible block >= m, or m_end.
+    // Whether one interval masks every row of query block m for every column of the key block;
+    // if so, [start, end) are the rows it masks for all of them.
+    __device__ bool hidden(int m, int& start, int& end) const {
+        const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
+        if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
+            start = bnd[kLtsMax];
+            end = bnd[kLteMin];
+            return true;
+        }
+        if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
+            start = bnd[kUtsMax];
+            end = bnd[kUteMin];
+            return true;
+        }
+        return false;
+    }
+    // The smallest visible block >= m, or m_end: a hidden block is left past its interval's end.
     __device__ int visible_at_or_above(int m) const {
+        int start, end;
         if (Has_mask) {
-            while (m < m_end) {
-                const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
-                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
-                    m = max(m + 1, bnd[kLteMin] / kBlockM);
-                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
-                    m = max(m + 1, bnd[kUteMin] / kBlockM);
-                } else {
-                    break;
-                }
-            }
+            while (m < m_end && hidden(m, start, end)) m = max(m + 1, end / kBlockM);
         }
         return min(m, m_end);
     }
-    // The largest visible block in [begin(), m], or -1 (the SM90 deterministic backward walks down).
+    // The largest visible block in [begin(), m], or -1 (the SM90 deterministic backward walks down):
+    // a hidden block is left below its interval's start.
     __device__ int visible_at_or_below(int m) const {
         const int lo = begin();
+        int start, end;
         if (Has_mask) {
-            while (m >= lo) {
-                const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
-                if (r0 >= bnd[kLtsMax] && r1 <= bnd[kLteMin]) {
-                    m = min(m - 1, (max(bnd[kLtsMax], 0) + kBlockM - 1) / kBlockM - 1);
-                } else if (r0 >= bnd[kUtsMax] && r1 <= bnd[kUteMin]) {
-                    m = min(m - 1, (max(bnd[kUtsMax], 0) + kBlockM - 1) / kBlockM - 1);
-                } else {
-                    break;
-                }
-            }
+            while (m >= lo && hidden(m, start, end)) m = min(m - 1, (max(start, 0) + kBlockM - 1) / kBlockM - 1);
         }
         return m >= lo ? m : -1;
     }

@@ -151,13 +151,18 @@ struct KeyJob {
           m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), down(kBwdDetDown > 0 && p.dq_semaphore != nullptr),
           mask(mask_head(p, job.b, job.h)),
           walk{Has_mask ? mask.bounds + job.n_block * kNumBounds : nullptr, c0, p.sq, p.sk, p.sk - p.sq, m_end} {
-        if (kBwdDetDown == 2 && down) {
+        if (kBwdDetDown >= 2 && down) {
             // Query block 0 seen by the last key block (global tokens, or no mask at all) is shared
             // by every key block: walking down, each job would end waiting for the one before.
             const int last = (p.sk - 1) / Traits::kBlockN;
             const decltype(walk) last_walk{Has_mask ? walk.bnd + (last - n_block) * kNumBounds : nullptr,
                                            last * Traits::kBlockN, p.sq, p.sk, p.sk - p.sq, m_end};
             down = last_walk.visible_at_or_above(last_walk.begin()) != 0;
+            if (kBwdDetDown == 3 && down) {  // key block 0 seen by the last query block: walk up too
+                const decltype(walk) first_walk{Has_mask ? walk.bnd - n_block * kNumBounds : nullptr, 0, p.sq, p.sk,
+                                                p.sk - p.sq, m_end};
+                down = first_walk.visible_at_or_below(m_end - 1) != m_end - 1;
+            }
         }
         m_first = down ? walk.visible_at_or_below(m_end - 1) : walk.visible_at_or_above(walk.begin());
     }

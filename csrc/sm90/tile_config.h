@@ -99,7 +99,10 @@ static_assert(kBwdDqWarps >= 1 && kBwdDqWarps <= 3, "the producer warpgroup has 
 // where query block 0 is seen by every key block (global tokens), each job walking down would end
 // waiting there for the one before. 0: up; 1: down; 2: down unless the last key block sees query
 // block 0, the same choice for every job of a head: jobs of both directions side by side wait for
-// each other's whole walks (docs/perf_notes.md, version 35). The atomic backward walks up.
+// each other's whole walks (docs/perf_notes.md, version 35). 3 (prepared, not run on a GPU): as 2,
+// and up where key block 0 is seen by the last query block too (a causal head, a prefix, a shared
+// question), which walked up read 4-26% faster at 128K but 4-15% slower at 8K (version 36, runs 8
+// and 9; version 35, run 5). The atomic backward walks up.
 #ifndef FLASHMASK_SM90_BWD_DET_DOWN
 #define FLASHMASK_SM90_BWD_DET_DOWN 2
 #endif

@@ -33,7 +33,8 @@ constexpr size_t kCapacity = 16;
 //   with its computation, and its memory (freed on eviction) belongs to that stream's pool. The
 //   handle of the legacy default stream is the same on every device, hence the device.
 // - causal, sq: the bounds read each column through read_column(causal, sq), which clamps to Sq.
-// The tile sizes key the bounds (block_n) and tile orders and floors (block_m, block_n) inside an entry.
+// The tile sizes key the bounds (block_n) and the tile orders and floors (block_m, block_n) inside
+// an entry.
 struct Key {
     const c10::TensorImpl* impl;
     const void* data;
@@ -60,7 +61,8 @@ struct Entry {
     WeakImpl owner;
     at::Tensor copy;  // the contiguous copy of a strided mask; undefined when the mask was contiguous
     std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
-    std::vector<std::pair<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>>> tiles;  // (order, floor) by (block_m, block_n)
+    // (order, floor) by (block_m, block_n)
+    std::vector<std::pair<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>>> tiles;
     std::vector<std::pair<std::tuple<int, int, int, bool>, at::Tensor>> jobs;  // by (block_m, block_n, hq, key_blocks)
 };
 
@@ -156,7 +158,8 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
     const bool want_jobs = block_m > 0 && jobs_hq > 0 && !m.jobs.defined();
     const bool want_order = block_m > 0 && !key_blocks && !m.order.defined();
     if (want_order || want_jobs) {
-        const auto [work, floor] = compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_blocks, stream);
+        const auto [work, floor] =
+            compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_blocks, stream);
         if (want_order) {
             m.order = compute_order(work);
             m.floor = floor;

@@ -82,7 +82,8 @@ __global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict
 // One warp per key block: the number of query blocks of block_m rows that see any of its keys
 // (what the backward's walk visits).
 __global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int* /*floors*/,
-                                      int total_blocks, int n_blocks, int m_blocks, int block_m, int block_n, int sq, int sk, bool causal) {
+                                      int total_blocks, int n_blocks, int m_blocks, int block_m, int block_n, int sq,
+                                      int sk, bool causal) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= total_blocks) return;

@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         slot = taken++ % Traits::kSlots;
         return Ticket{shared.tickets[slot]};
     };
-    int n_top;  // later jobs come decoded from the producer
+    int n_top;  // the first job's highest visible block, unused here; later jobs come decoded from the producer
     for (FwdSlot job = decode(scheduler.first(), n_top); scheduler.valid(job.x);
          job = scheduler.take_next(shared.next_job, cwg)) {
         const Job tile(p, job.job);

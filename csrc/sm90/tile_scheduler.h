@@ -1,8 +1,8 @@
 // The SM90 forward's persistent tile scheduler: one CTA per SM, each taking (query tile, head,
 // batch) jobs until none is left. CTA x starts with job x; after that the producer warp draws the
 // next job from an atomic counter as soon as it has issued the loads of the current one, and hands
-// it, decoded, to the consumer warpgroups through shared memory. Drawing instead of striding keeps the list
-// schedule of the job order (heaviest first): a CTA that finishes early takes the next job.
+// it, decoded, to the consumer warpgroups through shared memory. Drawing instead of striding keeps
+// the list schedule of the job order (heaviest first): a CTA that finishes early takes the next job.
 #pragma once
 #include <cutlass/arch/barrier.h>
 

@@ -7,7 +7,7 @@ as divergent, was serialised in every head dim 64 variant and lost 7-41% on the 
 kernel change before spending GPU time on it:
 
     python scripts/compile_check.py --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
-    python scripts/compile_check.py --arch sm90 --kernel bwd_kv --head-dim 128 -D FLASHMASK_SM90_BWD_DQ_WARPS=1
+    python scripts/compile_check.py --arch sm90 --kernel bwd_kv --head-dim 128 -D FLASHMASK_SM90_BWD_DQ_WARPS128=1
     python scripts/compile_check.py --arch sm90 --source csrc/common/bwd_dsum.cu
 
 Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int warp_group = threadIdx.x / 128;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    constexpr int kDqWarps = kBwdDqWarps;
+    constexpr int kDqWarps = Traits::kDqWarps;
     const BwdScheduler<Traits::kConsumerThreads, Traits::kPersistent, kDqWarps> scheduler(p, kBlockN);
     const int causal_offset = p.sk - p.sq;
 

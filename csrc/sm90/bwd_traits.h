@@ -21,6 +21,8 @@ struct BwdTraits {
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
     static constexpr bool kPersistent = bwd_tile(kHeadDim).persistent;
+    static constexpr int kDqWarps = bwd_tile(kHeadDim).dq_warps;
+    static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;
     static_assert(kBlockN == 64 * kConsumerWarpgroups);

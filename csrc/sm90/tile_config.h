@@ -65,6 +65,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
     bool early_dv, persistent;
+    int dq_warps;
 };
 #ifndef FLASHMASK_SM90_BWD_M64
 #define FLASHMASK_SM90_BWD_M64 64
@@ -81,16 +82,20 @@ struct BwdTile {
 #ifndef FLASHMASK_SM90_BWD_PERSISTENT128
 #define FLASHMASK_SM90_BWD_PERSISTENT128 true
 #endif
-// Warps of the producer warpgroup that add dQ tiles to the accumulator, taking a job's visible query
-// blocks in turn. In deterministic mode each holds its block's turn until the addition is complete in
-// global memory; with one such warp that wait bounded every step. Two: the deterministic backward
-// 1.07-1.54x faster (full 32K D=128 328 -> 503 TFLOP/s), the atomic one unchanged; three: no better
-// (docs/perf_notes.md, version 32).
-#ifndef FLASHMASK_SM90_BWD_DQ_WARPS
-#define FLASHMASK_SM90_BWD_DQ_WARPS 2
+// dq_warps: warps of the producer warpgroup that add dQ tiles to the accumulator, taking a job's
+// visible query blocks in turn. In deterministic mode each holds its block's turn until the addition
+// is complete in global memory; with one such warp that wait bounded every step. Two: the
+// deterministic backward 1.07-1.54x faster (full 32K D=128 328 -> 503 TFLOP/s), the atomic one
+// unchanged; three no better at 8K and 32K (version 32). At 128K three are: deterministic D=64 full
+// 261 -> 404, prefix-LM causal 283 -> 402, causal 366 -> 399 and 2-8% at 8K and 32K, the atomic
+// unchanged; at D=128 three lost 5-9% on four families at 8K and won only random eviction at 128K
+// (171 -> 249; docs/perf_notes.md, version 37).
+#ifndef FLASHMASK_SM90_BWD_DQ_WARPS64
+#define FLASHMASK_SM90_BWD_DQ_WARPS64 3
 #endif
-constexpr int kBwdDqWarps = FLASHMASK_SM90_BWD_DQ_WARPS;
-static_assert(kBwdDqWarps >= 1 && kBwdDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
+#ifndef FLASHMASK_SM90_BWD_DQ_WARPS128
+#define FLASHMASK_SM90_BWD_DQ_WARPS128 2
+#endif
 
 // Deterministic backward: the direction in which a key block walks its query blocks. The key blocks
 // of a query block add in increasing order; walking up, the key block below reaches a query block
@@ -110,8 +115,9 @@ constexpr int kBwdDetDown = FLASHMASK_SM90_BWD_DET_DOWN;
 
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
-                                    FLASHMASK_SM90_BWD_PERSISTENT64}
-                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_PERSISTENT128};
+                                    FLASHMASK_SM90_BWD_PERSISTENT64, FLASHMASK_SM90_BWD_DQ_WARPS64}
+                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_PERSISTENT128,
+                                    FLASHMASK_SM90_BWD_DQ_WARPS128};
 }
 
 }  // namespace flashmask::sm90

@@ -1,5 +1,8 @@
 """Compile one kernel instantiation here, without a GPU, and report what ptxas says of each of its
-kernels: registers, spills, and whether wgmma is serialised (ptxas advisory C7518).
+kernels: registers, spills, whether wgmma is serialised (ptxas advisory C7518), and how many runtime
+traps ptxas put in each kernel's SASS (BPT.TRAP, counted with cuobjdump where it is found): version 36's
+head dim 128 forward carried 90, guards ptxas added once the producer's loads sat in a lambda, and ran
+6-10% slower for them, with no advisory in the ptxas log.
 
 A serialised wgmma costs a Hopper kernel more than most changes gain: the tried per-warpgroup skip
 of the SM90 forward (branch sm90-fwd-wg-skip, docs/perf_notes.md) issued wgmma on a path ptxas took
@@ -55,6 +58,29 @@ def parse_ptxas(log: str) -> Dict[str, dict]:
         if m and current is not None:
             current["registers"] = int(m.group(1))
     return kernels
+
+
+def parse_traps(sass: str) -> Dict[str, int]:
+    """Per kernel (mangled name) in `cuobjdump -sass` output: its BPT.TRAP instructions."""
+    traps: Dict[str, int] = {}
+    current = None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = m.group(1)
+            traps.setdefault(current, 0)
+        elif current is not None and "BPT.TRAP" in line:
+            traps[current] += 1
+    return traps
+
+
+def count_traps(obj: str) -> Dict[str, int]:
+    """parse_traps of an object file, or {} where no cuobjdump is found."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        return {}
+    run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
+    return parse_traps(run.stdout) if run.returncode == 0 else {}
 
 
 def cxx_standard() -> str:
@@ -120,18 +146,23 @@ def main() -> int:
         cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard())
         print(f"compiling {os.path.basename(unit)} {' '.join('-D' + d for d in args.defines)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
+        traps = count_traps(out) if run.returncode == 0 else {}
     if run.returncode != 0:
         print(run.stderr[:3000], file=sys.stderr)  # the first errors explain the rest
         return run.returncode
     kernels = parse_ptxas(run.stdout + run.stderr)
     names = _demangle(list(kernels))
     bad = False
-    print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s}  kernel")
-    for name, k in zip(names, kernels.values()):
+    print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s} {'traps':>5s}  kernel")
+    for (mangled, k), name in zip(kernels.items(), names):
         spills = k["spill_stores"] + k["spill_loads"]
-        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills)
+        n_traps = traps.get(mangled)
+        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps)
         print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
-              f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s}  {name[:160]}")
+              f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s} {'-' if n_traps is None else n_traps:>5}  "
+              f"{name[:160]}")
+    if not traps:
+        print("(no cuobjdump on PATH: traps not counted)")
     return 1 if bad else 0
 
 

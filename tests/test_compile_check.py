@@ -28,6 +28,22 @@ def test_parse_ptxas():
     assert got["_Z6kernelILb1EEvv"] == dict(registers=128, spill_stores=48, spill_loads=72, wgmma_serialized=True)
 
 
+# The shape of `cuobjdump -sass`: a kernel with two traps, one without.
+SASS = """\
+\t\tFunction : _Z6kernelILb1EEvv
+        /*0d90*/              @!P5 BRA 0xdb0 ;                       /* 0x0000000000 */
+        /*0da0*/                   BPT.TRAP 0x1 ;                    /* 0x000000040000795c */
+        /*0e00*/                   BPT.TRAP 0x1 ;                    /* 0x000000040000795c */
+\t\tFunction : _Z6kernelILb0EEvv
+        /*0010*/                   EXIT ;                            /* 0x000000000000794d */
+"""
+
+
+def test_parse_traps():
+    assert compile_check.parse_traps(SASS) == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
+    assert compile_check.parse_traps("") == {}
+
+
 def test_nvcc_command():
     cmd = compile_check.nvcc_command("u.cu", "u.o", "sm90", ["/inc"], ["A=2"], ("-O3",), "-std=c++20")
     assert cmd[:3] == ["nvcc", "-O3", "-std=c++20"]

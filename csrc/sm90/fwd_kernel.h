@@ -117,22 +117,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQStages{});
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
 
-    // Job x decoded, and its highest visible key block (-1: none, or no job x).
-    auto decode = [&](int x, int& n_top) {
-        FwdSlot s{x, {}, 0};
-        n_top = -1;
-        if (scheduler.valid(x)) {
-            s.job = scheduler.template job<Is_causal>(p, x);
-            BlockBounds bnd;
-            n_top = Job(p, s.job).top_block(p, bnd);
-            s.visible = n_top >= 0;
-        }
-        return s;
-    };
-
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
         if (warp != 0) return;
+        // Job x decoded, and its highest visible key block (-1: none, or no job x).
+        auto decode = [&](int x, int& n_top) {
+            FwdSlot s{x, {}, 0};
+            n_top = -1;
+            if (scheduler.valid(x)) {
+                s.job = scheduler.template job<Is_causal>(p, x);
+                BlockBounds bnd;
+                n_top = Job(p, s.job).top_block(p, bnd);
+                s.visible = n_top >= 0;
+            }
+            return s;
+        };
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
         Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
@@ -140,59 +139,67 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         auto state = cutlass::make_producer_start_state<Pipeline>();
         auto state_q = cutlass::make_producer_start_state<PipelineQ>();
         int queued = 0;  // ring slots filled, over all jobs
-        // Issues a job's loads, from its highest visible block n_block down.
-        auto load_job = [&](const Job& tile, int n_block) {
-            const auto walk = tile.walk(p);
-            BlockBounds bnd = walk.bounds_of(n_block);
-            Tensor gQ = local_tile(mQ(_, _, tile.h, tile.b), typename Traits::TileQ{}, make_coord(tile.m_block, _0{}));
-            Tensor gK = local_tile(mK(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
-            Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
-            auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-            auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-            auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-            // A Q buffer is free once every consumer warpgroup has issued the last S of its job.
-            if (lane == 0) {
-                pipeline_q.producer_acquire(state_q);
-                copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
-            }
-            ++state_q;
-            int sight = Ticket::template sight<kSight>(walk, n_block, bnd);
-            Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
-            while (n_block >= 0) {
-                bnd = walk.bounds_of(n_block - 1);
-                const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
-                sight = n_next >= 0 ? Ticket::template sight<kSight>(walk, n_next, bnd) : 0;
-                ticket.set_next(sight, n_next < 0);
-                // The block's ring slot, filled before the arrival on its K stage publishes it.
-                const int slot = queued % Traits::kSlots;
-                if (Has_mask && ticket.any_intervals()) {
-                    stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols, n_block * kBlockN,
-                                                            p.sk, lane);
-                    cp_async_fence();
-                    cp_async_wait<0>();
-                }
-                if (lane == 0) shared.tickets[slot] = ticket.bits;
-                __syncwarp();  // every lane's mask columns before lane 0's copy
-                if (lane == 0) {
-                    pipeline_k.producer_acquire(state);
-                    copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block), tKs(_, state.index()));
-                    pipeline_v.producer_acquire(state);
-                    copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block), tVs(_, state.index()));
-                }
-                ++state;
-                ++queued;
-                n_block = n_next;
-                if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
-            }
-        };
         // Each job's first block is found when the job is drawn, before it is published, and
-        // carried into its turn here.
+        // carried into its turn here. The loads are written in the loop, not in a lambda: with
+        // them in a [&] lambda, ptxas guarded the head dim 128 consumers' code with 90 runtime
+        // traps (BPT.TRAP, cuobjdump) and that forward ran 6-10% slower on every family.
         int n_block;
-        for (FwdSlot job = decode(scheduler.first(), n_block); scheduler.valid(job.x);) {
-            if (n_block >= 0) load_job(Job(p, job.job), n_block);  // else the consumers write zeros
-            const FwdSlot next = decode(scheduler.draw(p), n_block);
-            scheduler.publish(job.x, next, shared.next_job);
-            job = next;
+        FwdSlot job = decode(scheduler.first(), n_block);
+        scheduler.publish(job, shared.next_job, /*after_first=*/false);
+        while (scheduler.valid(job.x)) {
+            if (n_block >= 0) {  // else the consumers write zeros
+                const Job tile(p, job.job);
+                const auto walk = tile.walk(p);
+                BlockBounds bnd = walk.bounds_of(n_block);
+                Tensor gQ =
+                    local_tile(mQ(_, _, tile.h, tile.b), typename Traits::TileQ{}, make_coord(tile.m_block, _0{}));
+                Tensor gK = local_tile(mK(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
+                Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
+                auto [tQg, tQs] =
+                    tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+                auto [tKg, tKs] =
+                    tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+                auto [tVg, tVs] =
+                    tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+                // A Q buffer is free once every consumer warpgroup has issued the last S of its job.
+                if (lane == 0) {
+                    pipeline_q.producer_acquire(state_q);
+                    copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
+                }
+                ++state_q;
+                int sight = Ticket::template sight<kSight>(walk, n_block, bnd);
+                Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
+                while (n_block >= 0) {
+                    bnd = walk.bounds_of(n_block - 1);
+                    const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
+                    sight = n_next >= 0 ? Ticket::template sight<kSight>(walk, n_next, bnd) : 0;
+                    ticket.set_next(sight, n_next < 0);
+                    // The block's ring slot, filled before the arrival on its K stage publishes it.
+                    const int slot = queued % Traits::kSlots;
+                    if (Has_mask && ticket.any_intervals()) {
+                        stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols,
+                                                                n_block * kBlockN, p.sk, lane);
+                        cp_async_fence();
+                        cp_async_wait<0>();
+                    }
+                    if (lane == 0) shared.tickets[slot] = ticket.bits;
+                    __syncwarp();  // every lane's mask columns before lane 0's copy
+                    if (lane == 0) {
+                        pipeline_k.producer_acquire(state);
+                        copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block),
+                             tKs(_, state.index()));
+                        pipeline_v.producer_acquire(state);
+                        copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block),
+                             tVs(_, state.index()));
+                    }
+                    ++state;
+                    ++queued;
+                    n_block = n_next;
+                    if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
+                }
+            }
+            job = decode(scheduler.draw(p), n_block);
+            scheduler.publish(job, shared.next_job, /*after_first=*/true);
         }
         return;
     }
@@ -238,8 +245,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         slot = taken++ % Traits::kSlots;
         return Ticket{shared.tickets[slot]};
     };
-    int n_top;  // the first job's highest visible block, unused here; later jobs come decoded from the producer
-    for (FwdSlot job = decode(scheduler.first(), n_top); scheduler.valid(job.x);
+    // Every job, the first too, comes decoded from the producer: no block walk in the consumers.
+    for (FwdSlot job = scheduler.take_next(shared.next_job, cwg); scheduler.valid(job.x);
          job = scheduler.take_next(shared.next_job, cwg)) {
         const Job tile(p, job.job);
         const FwdOutput<Element> output(p, tile.b, tile.h, 0);

@@ -65,10 +65,11 @@ struct FwdScheduler {
         return __shfl_sync(0xffffffffu, next, 0);
     }
 
-    // Producer warp, after job `x`: publishes the next one. The first publication of a CTA has
-    // nothing to wait for; each later one waits until the consumers have read the previous one.
-    __device__ void publish(int x, const FwdSlot& next, FwdSlot& slot) const {
-        if (x != first()) cutlass::arch::NamedBarrier::sync(kEmptyThreads, Barriers::kJobEmpty);
+    // Producer warp: publishes a CTA's first job, then each next one after issuing the loads of
+    // the one before. The first publication has nothing to wait for; each later one waits until the
+    // consumers have read the previous one.
+    __device__ void publish(const FwdSlot& next, FwdSlot& slot, bool after_first) const {
+        if (after_first) cutlass::arch::NamedBarrier::sync(kEmptyThreads, Barriers::kJobEmpty);
         if (threadIdx.x % 32 == 0) {  // volatile: CUTLASS's named barriers carry no memory clobber
             volatile FwdSlot& s = slot;
             s.x = next.x;
@@ -80,8 +81,9 @@ struct FwdScheduler {
         for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, Barriers::job_full(wg));
     }
 
-    // Consumers, after finishing a job: the next one. The slot is released only if the producer
-    // will publish again, i.e. if the job is a real one (no barrier arrival is left pending at exit).
+    // Consumers, before their first job and after each: the next one. The slot is released only if
+    // the producer will publish again, i.e. if the job is a real one (no barrier arrival is left
+    // pending at exit).
     __device__ FwdSlot take_next(const FwdSlot& slot, int consumer_warpgroup) const {
         cutlass::arch::NamedBarrier::sync(kFullThreads, Barriers::job_full(consumer_warpgroup));
         const volatile FwdSlot& s = slot;

@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
 
     constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and one dQ warp
     if (warp_group == 0) {
-        cutlass::arch::warpgroup_reg_dealloc<24>();
+        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
         if (warp > kDqWarps) return;
         if (warp >= 1) {
             // A dQ warp, job after job.
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     }
 
     // Consumers.
-    cutlass::arch::warpgroup_reg_alloc<240>();
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     const int ctid = threadIdx.x - 128;
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmaKV mma_kv;

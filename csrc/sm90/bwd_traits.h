@@ -25,6 +25,10 @@ struct BwdTraits {
     static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;
+    // setmaxnreg (bwd_kernel.h): the producer warpgroup keeps 24 registers, the consumers take 240.
+    static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+    static_assert(setmaxnreg_fits(kNThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+                  "more registers than the CTA holds at launch: the consumers' setmaxnreg would wait for ever");
     static_assert(kBlockN == 64 * kConsumerWarpgroups);
 
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;

@@ -23,10 +23,11 @@ struct FwdTraits {
     static constexpr int kConsumerWarpgroups = fwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;  // + one producer warpgroup
-    // setmaxnreg: the producer gives its registers to the consumers (65536 per SM in all).
+    // setmaxnreg: the producer gives its registers to the consumers.
     static constexpr int kProducerRegisters = FLASHMASK_SM90_FWD_PRODUCER_REGS;
     static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
-    static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536);
+    static_assert(setmaxnreg_fits(kNThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+                  "more registers than the CTA holds at launch: the consumers' setmaxnreg would wait for ever");
     static_assert(kBlockM == 64 * kConsumerWarpgroups);
 
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;

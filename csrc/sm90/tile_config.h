@@ -36,9 +36,9 @@ struct FwdTile {
 #define FLASHMASK_SM90_FWD_WG_SKIP 3
 #endif
 // The forward producer warpgroup's registers after setmaxnreg: with 24 its block walk spills a
-// few words per block (more with the per-warpgroup tickets); 32 still leaves the consumers theirs
-// (128 * 32 + 384 * 160 = 65536 at head dim 64) and removes most of those spills, but timed
-// within noise of 24 (version 34).
+// few words per block (more with the per-warpgroup tickets); at head dim 64, 32 still leaves the
+// consumers theirs (128 * 32 + 384 * 160 = 65536) and removes most of those spills, but timed
+// within noise of 24 (version 34). At head dim 128 it does not fit (setmaxnreg_fits).
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS 24
 #endif
@@ -47,6 +47,14 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_Q_STAGES64
 #define FLASHMASK_SM90_FWD_Q_STAGES64 2
 #endif
+// setmaxnreg moves registers within the CTA's allocation at launch: its threads times the count
+// ptxas gives each under __launch_bounds__(threads, 1), 65536 / threads down to a multiple of 8
+// (168 for 384 threads). Asking for more than that in all makes the consumers' setmaxnreg.inc wait
+// for ever (a head dim 128 forward with 32 producer registers, 128 * 32 + 256 * 240 = 65536 >
+// 384 * 168, hung on the H100 in version 37).
+constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer_threads, int consumer_registers) {
+    return 128 * producer_registers + consumer_threads * consumer_registers <= threads * (65536 / threads / 8 * 8);
+}
 constexpr FwdTile fwd_tile(int head_dim) {
     return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,
                                     FLASHMASK_SM90_FWD_Q_STAGES64}

@@ -18,10 +18,11 @@
 
 namespace flashmask::sm90 {
 
-template <int kHeadDim, typename Element>
-void run_bwd(const BwdParams& p, cudaStream_t stream) {
+template <typename Traits>
+void run_bwd_build(const BwdParams& p, cudaStream_t stream) {
     using namespace cute;
-    using Traits = BwdTraits<kHeadDim, Element>;
+    using Element = typename Traits::Element;
+    constexpr int kHeadDim = Traits::kHeadDim;
     TORCH_CHECK(p.dq_accum != nullptr, "flashmask: the SM90 backward accumulates dQ with atomics only");
     const auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
     const auto gq = tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
@@ -58,6 +59,15 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     const dim3 tiles((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
     dq_convert_kernel<Traits><<<tiles, Traits::kConsumerThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int kHeadDim, typename Element>
+void run_bwd(const BwdParams& p, cudaStream_t stream) {
+    constexpr int kLongWarps = bwd_tile(kHeadDim).dq_warps_long;
+    if constexpr (kLongWarps > 0) {
+        if (p.sk >= kBwdLongKeys) return run_bwd_build<BwdTraits<kHeadDim, Element, kLongWarps>>(p, stream);
+    }
+    run_bwd_build<BwdTraits<kHeadDim, Element>>(p, stream);
 }
 
 }  // namespace flashmask::sm90

@@ -11,7 +11,8 @@
 
 namespace flashmask::sm90 {
 
-template <int kHeadDim_, typename Element_>
+// kDqWarps_: the dQ warps of this build (bwd_launch.h may launch a second one for long keys).
+template <int kHeadDim_, typename Element_, int kDqWarps_ = bwd_tile(kHeadDim_).dq_warps>
 struct BwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -21,7 +22,7 @@ struct BwdTraits {
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
     static constexpr bool kPersistent = bwd_tile(kHeadDim).persistent;
-    static constexpr int kDqWarps = bwd_tile(kHeadDim).dq_warps;
+    static constexpr int kDqWarps = kDqWarps_;
     static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;

@@ -73,7 +73,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
     bool early_dv, persistent;
-    int dq_warps;
+    int dq_warps, dq_warps_long;  // dq_warps_long: for Sk >= kBwdLongKeys, 0: dq_warps there too
 };
 #ifndef FLASHMASK_SM90_BWD_M64
 #define FLASHMASK_SM90_BWD_M64 64
@@ -104,6 +104,16 @@ struct BwdTile {
 #ifndef FLASHMASK_SM90_BWD_DQ_WARPS128
 #define FLASHMASK_SM90_BWD_DQ_WARPS128 2
 #endif
+// Prepared, off (not run on a GPU): at head dim 128 a second build of the backward with this many
+// dQ warps, launched where Sk >= FLASHMASK_SM90_BWD_LONG_KEYS (three won random eviction 128K
+// 171 -> 249 and full 315 -> 332 deterministic, and lost 5-9% at 8K; version 37). 0: one build.
+#ifndef FLASHMASK_SM90_BWD_DQ_WARPS_LONG128
+#define FLASHMASK_SM90_BWD_DQ_WARPS_LONG128 0
+#endif
+#ifndef FLASHMASK_SM90_BWD_LONG_KEYS
+#define FLASHMASK_SM90_BWD_LONG_KEYS 65536
+#endif
+constexpr int kBwdLongKeys = FLASHMASK_SM90_BWD_LONG_KEYS;
 
 // Deterministic backward: the direction in which a key block walks its query blocks. The key blocks
 // of a query block add in increasing order; walking up, the key block below reaches a query block
@@ -123,9 +133,9 @@ constexpr int kBwdDetDown = FLASHMASK_SM90_BWD_DET_DOWN;
 
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
-                                    FLASHMASK_SM90_BWD_PERSISTENT64, FLASHMASK_SM90_BWD_DQ_WARPS64}
+                                    FLASHMASK_SM90_BWD_PERSISTENT64, FLASHMASK_SM90_BWD_DQ_WARPS64, 0}
                           : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_PERSISTENT128,
-                                    FLASHMASK_SM90_BWD_DQ_WARPS128};
+                                    FLASHMASK_SM90_BWD_DQ_WARPS128, FLASHMASK_SM90_BWD_DQ_WARPS_LONG128};
 }
 
 }  // namespace flashmask::sm90

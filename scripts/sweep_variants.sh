@@ -9,6 +9,8 @@
 #                                    .ab/ is not ignored, so it travels with the working tree)
 #   TESTS="tests/test_cuda_bwd.py"   run these GPU tests in each variant before the timings
 #   TEST_VARIANTS="next lead"        only in these variants (default: every one)
+#   BENCH_VARIANTS="main next"       time only these variants (default: every one), e.g. to leave out
+#                                    one built only for its tests
 #   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
 #   ARCHS=90 (or 80,90: the SM80 kernels too, e.g. for their GPU tests)
 #   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
@@ -57,15 +59,19 @@ if [ -n "${TESTS:-}" ]; then
     done
 fi
 columns=()
+timed=()
+for v in "${VARS[@]}"; do
+    [[ -n "${BENCH_VARIANTS:-}" && " $BENCH_VARIANTS " != *" ${v%%=*} "* ]] || timed+=("${v%%=*}")
+done
 bench() {  # bench <variant> <column>
     ( cd "/tmp/variant_$1" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
         --families "${FAMILIES:-all}" --head-dims "$HEAD_DIM" --modes "$MODES" --methods "${METHODS:-flashmask}" --quick \
         --out "$OUT/$2" > "$OUT/bench_$2.log" 2>&1 || { echo "BENCH FAILED: $2"; tail -5 "$OUT/bench_$2.log"; } )
     columns+=("$2")
 }
-for v in "${VARS[@]}"; do bench "${v%%=*}" "${v%%=*}"; done
+for name in "${timed[@]}"; do bench "$name" "$name"; done
 if [ "${PASSES:-1}" -ge 2 ]; then
-    for (( i=${#VARS[@]}-1; i>=0; i-- )); do bench "${VARS[i]%%=*}" "${VARS[i]%%=*}_2"; done
+    for (( i=${#timed[@]}-1; i>=0; i-- )); do bench "${timed[i]}" "${timed[i]}_2"; done
 fi
 [ -n "${AFTER:-}" ] && eval "$AFTER"
 python3 scripts/sweep_table.py "$OUT" "${columns[@]}"

@@ -59,9 +59,6 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 
 }  // namespace
 
-// Which job list a launch takes from the mask cache (MaskMeta::jobs).
-enum class Jobs { none, query_tiles, key_blocks };
-
 // Fills the fields shared by forward and backward; takes the mask bounds for key blocks of block_n
 // columns and, for the forward (query tiles of block_m rows), the order of its query tiles from the
 // mask cache (mask_cache.h; `meta` keeps them alive through the call), and the job list `jobs`: the
@@ -93,8 +90,7 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
     TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
                 causal ? "True" : "False");
-    meta = mask_metadata(mask, causal, sq, block_m, block_n, jobs == Jobs::none ? 0 : hq, jobs == Jobs::key_blocks,
-                         stream);
+    meta = mask_metadata(mask, causal, sq, block_m, block_n, hq, jobs, stream);
     p.mask = meta.mask.data_ptr<int>();
     p.bounds = meta.bounds.data_ptr<int>();
     p.tile_order = meta.order.defined() ? meta.order.data_ptr<int>() : nullptr;
@@ -206,10 +202,14 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     BwdParams p{};
     MaskMeta meta;
     // The SM90 backward takes its key blocks in the order of a job list (heaviest first, few heads
-    // in flight); its deterministic mode keeps the launch order, which its dQ turns follow.
-    const bool key_jobs = sel.kernels->arch == 90 && !deterministic;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, key_jobs ? sel.tiles.bwd_block_m : 0,
-                sel.tiles.bwd_block_n, key_jobs ? Jobs::key_blocks : Jobs::none, meta, stream);
+    // in flight); its deterministic mode in the launch order, which its dQ turns follow, and from
+    // kTurnListKeys keys with a mask in a list of that order whose head grouping suits the mask.
+    const bool sm90 = sel.kernels->arch == 90;
+    const Jobs jobs = sm90 && !deterministic ? Jobs::key_blocks
+                      : sm90 && sk >= kTurnListKeys && !head_group_forced() ? Jobs::key_blocks_in_turn
+                                                                           : Jobs::none;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale,
+                jobs != Jobs::none ? sel.tiles.bwd_block_m : 0, sel.tiles.bwd_block_n, jobs, meta, stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();

@@ -27,7 +27,10 @@ inline int choose_num_splits(int ctas, int n_key_blocks) {
 // heads starts the heaviest of every head first (global + sliding window at 32K lost a third with
 // one head at a time). The SM90 kernels with a mask start their jobs in the order of the mask's job
 // list instead (MaskMeta::jobs: heaviest first, then head by head), except the deterministic
-// backward. FLASHMASK_HEAD_GROUP overrides the choice (tuning and tests).
+// backward, which from kTurnListKeys keys with a mask takes a list in its launch order whose head
+// grouping the mask decides (compute_turn_jobs in mask_cache.cpp). FLASHMASK_HEAD_GROUP overrides
+// the choice, and the deterministic backward then takes no list (tuning and tests).
+inline bool head_group_forced() { return std::getenv("FLASHMASK_HEAD_GROUP") != nullptr; }
 inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     if (const char* env = std::getenv("FLASHMASK_HEAD_GROUP")) {
         int g = std::max(1, std::min(hq, std::atoi(env)));
@@ -40,5 +43,13 @@ inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     while (g > 1 && (hq % g != 0 || g * bytes_per_head > budget)) --g;
     return g;
 }
+
+// The SM90 deterministic backward's job list in turn (Jobs::key_blocks_in_turn): from this many
+// keys, heads whose key blocks see on average at least kTurnLongRows query rows are interleaved
+// kTurnFewHeads at a time, the others all at once (measured at 128K only: docs/perf_notes.md,
+// version 38); below it every head at once, as without the list.
+constexpr int kTurnListKeys = 65536;
+constexpr int kTurnLongRows = 16384;
+constexpr int kTurnFewHeads = 4;
 
 }  // namespace flashmask

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "api/launch_policy.h"
 #include "mask/bounds.h"
 
 namespace flashmask {
@@ -63,7 +64,7 @@ struct Entry {
     std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
     // (order, floor) by (block_m, block_n)
     std::vector<std::pair<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>>> tiles;
-    std::vector<std::pair<std::tuple<int, int, int, bool>, at::Tensor>> jobs;  // by (block_m, block_n, hq, key_blocks)
+    std::vector<std::pair<std::tuple<int, int, int, Jobs>, at::Tensor>> jobs;  // by (block_m, block_n, hq, jobs)
 };
 
 struct Cache {
@@ -146,16 +147,42 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
     return jobs.reshape({-1}).index_select(0, bucket.argsort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).to(at::kInt);
 }
 
+// MaskMeta::jobs for the deterministic SM90 backward: a key block adds its dQ to a query block
+// after the key block below it that sees it, so each head's key blocks must start in ascending
+// order; heads are interleaved `group` at a time (job_and_head's launch order). The group is
+// chosen on the device, with no host sync, from the mean query rows that see a key block. Long
+// walks (full, causal, random eviction at 128K, D=128: 16 heads at a time read 172-401 TFLOP/s and
+// varied per call up to 1.7x, 4 at a time 275-544, within 1.1x of the atomic backward) take
+// kTurnFewHeads; short ones take every head: a band walked upwards (global + sliding window) makes
+// each key block wait two blocks behind the one below it, a chain as long as the head's key blocks
+// in flight (128K: 127 TFLOP/s with 4 heads, 369 with 16). docs/perf_notes.md, version 38.
+at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int block_m) {
+    const int n = work.size(1);
+    const auto launch_order = [&](int group) {
+        const auto opts = work.options();
+        const at::Tensor b = at::arange(batch, opts).view({batch, 1, 1, 1});
+        const at::Tensor first_head = at::arange(hq / group, opts).view({1, hq / group, 1, 1}) * group;
+        const at::Tensor key_block = at::arange(n, opts).view({1, 1, n, 1});
+        const at::Tensor head_in_group = at::arange(group, opts).view({1, 1, 1, group});
+        return ((b * hq + first_head + head_in_group) * n + key_block).reshape({-1});
+    };
+    int few = std::min(hq, kTurnFewHeads);
+    while (hq % few) --few;
+    const at::Tensor long_walks = work.sum() >= (int64_t(kTurnLongRows) / block_m) * work.numel();
+    return at::where(long_walks, launch_order(few), launch_order(hq));
+}
+
 // Fills what `m` lacks; returns whether anything was computed.
-bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
-              bool key_blocks, cudaStream_t stream) {
+bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq,
+              Jobs jobs, cudaStream_t stream) {
+    const bool key_blocks = jobs == Jobs::key_blocks || jobs == Jobs::key_blocks_in_turn;
     bool computed = false;
     if (!m.mask.defined()) m.mask = user_mask.contiguous();
     if (!m.bounds.defined()) {
         m.bounds = compute_bounds(m.mask, causal, sq, block_n, stream);
         computed = true;
     }
-    const bool want_jobs = block_m > 0 && jobs_hq > 0 && !m.jobs.defined();
+    const bool want_jobs = block_m > 0 && jobs != Jobs::none && !m.jobs.defined();
     const bool want_order = block_m > 0 && !key_blocks && !m.order.defined();
     if (want_order || want_jobs) {
         const auto [work, floor] =
@@ -164,7 +191,10 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
             m.order = compute_order(work);
             m.floor = floor;
         }
-        if (want_jobs) m.jobs = compute_jobs(work, m.mask.size(0), jobs_hq);
+        if (want_jobs) {
+            m.jobs = jobs == Jobs::key_blocks_in_turn ? compute_turn_jobs(work, m.mask.size(0), hq, block_m)
+                                                      : compute_jobs(work, m.mask.size(0), hq);
+        }
         computed = true;
     }
     return computed;
@@ -172,15 +202,15 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
 
 }  // namespace
 
-MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
-                       bool key_blocks, cudaStream_t stream) {
-    const auto jobs_key = std::make_tuple(block_m, block_n, jobs_hq, key_blocks);
-    const bool want_order = block_m > 0 && !key_blocks;
+MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq, Jobs jobs,
+                       cudaStream_t stream) {
+    const auto jobs_key = std::make_tuple(block_m, block_n, hq, jobs);
+    const bool want_order = block_m > 0 && jobs != Jobs::key_blocks && jobs != Jobs::key_blocks_in_turn;
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.
     if (cache_disabled_by_env() || !impl->version_counter().enabled() || capturing(stream)) {
-        complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, key_blocks, stream);
+        complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, stream);
         return m;
     }
     Key key{impl,
@@ -207,14 +237,14 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
                 m.mask = it->copy.defined() ? it->copy : user_mask;
                 m.bounds = find(it->bounds, block_n);
                 if (want_order) std::tie(m.order, m.floor) = find(it->tiles, std::make_pair(block_m, block_n));
-                if (block_m > 0 && jobs_hq > 0) m.jobs = find(it->jobs, jobs_key);
+                if (block_m > 0 && jobs != Jobs::none) m.jobs = find(it->jobs, jobs_key);
             }
             it = next;
         }
     }
     // Computed outside the lock: ATen may call back into Python (dispatch modes, memory-history
     // hooks), which needs the GIL that a caller waiting on this lock could hold.
-    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, jobs_hq, key_blocks, stream);
+    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, stream);
     std::lock_guard<std::mutex> lock(c.mu);
     if (!computed) {
         ++c.hits;
@@ -238,7 +268,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     if (want_order && !find(it->tiles, std::make_pair(block_m, block_n)).first.defined()) {
         it->tiles.emplace_back(std::make_pair(block_m, block_n), std::make_pair(m.order, m.floor));
     }
-    if (block_m > 0 && jobs_hq > 0 && !find(it->jobs, jobs_key).defined()) it->jobs.emplace_back(jobs_key, m.jobs);
+    if (block_m > 0 && jobs != Jobs::none && !find(it->jobs, jobs_key).defined()) it->jobs.emplace_back(jobs_key, m.jobs);
     return m;
 }
 

@@ -10,6 +10,11 @@
 
 namespace flashmask {
 
+// Which job list a launch takes (MaskMeta::jobs): none; the persistent forward's query tiles; the
+// SM90 backward's key blocks, heaviest first; or, for its deterministic mode, its key blocks in
+// turn (each head's ascending, the order its dQ additions follow).
+enum class Jobs { none, query_tiles, key_blocks, key_blocks_in_turn };
+
 // What a call needs from its mask.
 struct MaskMeta {
     at::Tensor mask;    // contiguous int32 [B, Hm, Sk, C]
@@ -23,19 +28,21 @@ struct MaskMeta {
     // batch, head and decreasing work, so that CTAs in flight together share few heads (what they
     // stream stays in L2). The tiles are the forward's query tiles (the persistent forward draws jobs
     // in this order) or, with key_blocks, the backward's key blocks (its launch order), weighed by
-    // the query blocks of block_m rows that see them. Only if block_m > 0 and jobs_hq > 0.
+    // the query blocks of block_m rows that see them. In turn (Jobs::key_blocks_in_turn): the launch
+    // order of heads interleaved in groups and key blocks ascending, the group chosen on the device
+    // from the mask (compute_turn_jobs in mask_cache.cpp). Only if block_m > 0 and jobs != none.
     at::Tensor jobs;
 };
 
 // The metadata of `user_mask` (int32 [B, Hm, Sk, C], already checked) for key blocks of block_n
 // columns and, when block_m > 0, the forward's tile order for query tiles of block_m rows (not with
-// key_blocks) and, when jobs_hq > 0 too, the job list for jobs_hq query heads. Taken
-// from the cache when the same tensor, unchanged, was seen with the same shapes on this stream;
-// computed on `stream` (the current stream) otherwise. The cache is skipped while the stream
-// captures a CUDA graph, for inference tensors (no version counter) and when the environment
-// variable FLASHMASK_MASK_CACHE is 0.
-MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int jobs_hq,
-                       bool key_blocks, cudaStream_t stream);
+// the backward's key block jobs) and the job list `jobs` for hq query heads. Taken from the cache
+// when the same tensor, unchanged, was seen with the same shapes on this stream; computed on
+// `stream` (the current stream) otherwise. The cache is skipped while the stream captures a CUDA
+// graph, for inference tensors (no version counter) and when the environment variable
+// FLASHMASK_MASK_CACHE is 0.
+MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq, Jobs jobs,
+                       cudaStream_t stream);
 
 // (hits, misses) since the last clear; calls that skip the cache count as neither.
 std::pair<int64_t, int64_t> mask_cache_stats();

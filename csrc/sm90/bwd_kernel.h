@@ -2,18 +2,19 @@
 // specialisation.
 //
 // (Key block of 128, query head, batch) jobs (tile_scheduler.h) run in the order of the mask's job
-// list (heaviest key blocks first, few heads in flight: MaskMeta::jobs) or, without a mask and in
-// deterministic mode, of job_and_head: one CTA per job, or where the tile is persistent one CTA per
-// SM drawing them. The producer warpgroup gives its registers away; one warp loads each job's K
-// and V once the consumers are done with the last job's, then walks the query blocks that can see
-// these keys (QueryBlockWalk: the causal bound, the block's interval bounds, jumps over fully
-// masked runs) and loads each one's Q and dO by TMA into a pipeline, with the block's LSE and D (bulk
-// copies of the rows the preprocessing padded) and a ticket saying which block it is and what its
-// tile needs (block_ticket.h), so that the consumers walk nothing. Two consumer warpgroups own 64
-// keys each: S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in registers as the A operands of
-// dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for dQ = dS K, which the
-// warpgroups split by head dim and hand to two more producer warps in turn, which add each tile to the
-// fp32 dQ accumulator with one bulk reduction. dK and dV leave by TMA store.
+// list (heaviest key blocks first, few heads in flight: MaskMeta::jobs; in deterministic mode each
+// head's key blocks ascending) or, without one, of job_and_head: one CTA per job, or where the tile
+// is persistent one CTA per SM drawing them. The producer warpgroup gives its registers away; one
+// warp loads each job's K and V once the consumers are done with the last job's, then walks the
+// query blocks that can see these keys (QueryBlockWalk: the causal bound, the block's interval
+// bounds, jumps over fully masked runs) and loads each one's Q and dO by TMA into a pipeline, with
+// the block's LSE and D (bulk copies of the rows the preprocessing padded) and a ticket saying
+// which block it is and what its tile needs (block_ticket.h), so that the consumers walk nothing.
+// Two consumer warpgroups own 64 keys each: S^T = K Q^T and dP^T = V dO^T leave P^T and dS^T in
+// registers as the A operands of dV += P^T dO and dK += dS^T Q; dS also goes to shared memory for
+// dQ = dS K, which the warpgroups split by head dim and hand to two more producer warps in turn,
+// which add each tile to the fp32 dQ accumulator with one bulk reduction. dK and dV leave by TMA
+// store.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>

@@ -98,12 +98,13 @@ struct BwdJob {
 };
 
 // The SM90 backward's scheduler: (key block, head, batch) jobs in the order of the mask's job list
-// (MaskMeta::jobs: heaviest first, head by head within a bucket) or, without one (no mask, or
-// deterministic mode), of the SM80 backward's grid (launch_order.h: heads in groups of
-// p.head_group, key blocks ascending, so that causal key blocks, which see the most queries, come
-// first). kPersistent: one CTA per SM draws them like the forward's, and the producer warp
-// publishes each next job into a one-job slot that the consumer warpgroups and the dQ warps all
-// read; otherwise each CTA takes the job of its index and ends with it.
+// (MaskMeta::jobs: heaviest first, head by head within a bucket; in deterministic mode each head's
+// key blocks ascending) or, without one (no mask, or deterministic mode below 64K keys), of the
+// SM80 backward's grid (launch_order.h: heads in groups of p.head_group, key blocks ascending, so
+// that causal key blocks, which see the most queries, come first). kPersistent: one CTA per SM
+// draws them like the forward's, and the producer warp publishes each next job into a one-job slot
+// that the consumer warpgroups and the dQ warps all read; otherwise each CTA takes the job of its
+// index and ends with it.
 template <int kConsumerThreads, bool kPersistent, int kDqWarps>
 struct BwdScheduler {
     static constexpr int kThreads = 32 + kConsumerThreads + 32 * kDqWarps;  // producer, consumers, dQ warps

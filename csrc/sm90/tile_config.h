@@ -104,9 +104,10 @@ struct BwdTile {
 #ifndef FLASHMASK_SM90_BWD_DQ_WARPS128
 #define FLASHMASK_SM90_BWD_DQ_WARPS128 2
 #endif
-// Prepared, off (not run on a GPU): at head dim 128 a second build of the backward with this many
-// dQ warps, launched where Sk >= FLASHMASK_SM90_BWD_LONG_KEYS (three won random eviction 128K
-// 171 -> 249 and full 315 -> 332 deterministic, and lost 5-9% at 8K; version 37). 0: one build.
+// Off: at head dim 128 a second build of the backward with this many dQ warps, launched where
+// Sk >= FLASHMASK_SM90_BWD_LONG_KEYS. Timed in version 38 (GPU tests passed on it) before the
+// deterministic launch order was fixed: its readings moved with that order's spread from call to
+// call, and the atomic backward lost 0-2%; not re-timed with the fixed order. 0: one build.
 #ifndef FLASHMASK_SM90_BWD_DQ_WARPS_LONG128
 #define FLASHMASK_SM90_BWD_DQ_WARPS_LONG128 0
 #endif

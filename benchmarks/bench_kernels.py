@@ -16,6 +16,7 @@ Example::
     python benchmarks/bench_kernels.py --families causal,document --seqlens 8k,32k,128k --plot
     python benchmarks/bench_kernels.py --modes fwd,bwd,fwdbwd --methods flashmask,flex --quick
     python benchmarks/bench_kernels.py --methods flashmask,flashmask_det --modes bwd,fwdbwd
+    python benchmarks/bench_kernels.py --heads 16 --kv-heads 4 --modes bwd   # GQA, 4 query heads a group
 """
 from __future__ import annotations
 
@@ -47,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--families", default="all", help=f"comma list or 'all': {', '.join(masks.FAMILIES)}")
     p.add_argument("--seqlens", default="8192,32768", help="comma list; 'k' suffix = 1024 (e.g. 8k,32k,128k)")
     p.add_argument("--head-dims", default="128", help="comma list of head dims")
-    p.add_argument("--heads", type=int, default=16, help="query = key/value heads")
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads, a divisor of --heads (GQA: flashmask sums dK and dV over each group; "
+                        "Flex and SDPA take enable_gqa); default: as many as --heads")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
@@ -82,6 +86,10 @@ def parse_args(argv=None):
         args.methods = common.parse_choice_list(args.methods, ALL_METHODS, "methods")
     except ValueError as e:
         parser.error(str(e))
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.kv_heads < 1 or args.heads % args.kv_heads:
+        parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
     common.resolve_timing(args)
     if args.out is None:
         args.out = common.default_out_dir("kernels")
@@ -177,7 +185,8 @@ def plot_families(rows, out_dir: str):
 
 def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=None, build_ms=None, first=None,
          notes=""):
-    return {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "batch": args.batch, "mode": mode,
+    return {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "kv_heads": args.kv_heads,
+            "batch": args.batch, "mode": mode,
             "method": method, "status": status, "density": density, "pairs": pairs, "ms": ms, "tflops": tflops,
             "mask_build_ms": build_ms, "first_call_s": first, "notes": notes}
 
@@ -235,7 +244,8 @@ def run(args) -> list:
             startend, causal = example(fam, s, batch_size=args.batch, device=device)
             pairs = common.total_pairs(startend, causal, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
             density = pairs / (args.batch * args.heads * s * s)
-            tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci)
+            tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci,
+                                         kv_heads=args.kv_heads)
             setup_error = None
         except Exception as e:
             setup_error = {"status": common.status_of(e), "notes": f"setup: {common.format_error(e)}",
@@ -251,7 +261,7 @@ def run(args) -> list:
             continue
         print(f"== {fam} S={common.fmt_len(s)} D={d}: causal={causal} C={startend.shape[-1]} density {density:.4f}",
               flush=True)
-        problem = common.Problem(startend, causal, args.batch, args.heads, d, s, dtype, device)
+        problem = common.Problem(startend, causal, args.batch, args.heads, d, s, dtype, device, args.kv_heads)
         for method in args.methods:
             if fatal:
                 break

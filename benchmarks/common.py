@@ -48,8 +48,8 @@ MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-ROW_FIELDS = ("family", "seqlen", "head_dim", "heads", "batch", "mode", "method", "status", "density", "pairs",
-              "ms", "tflops", "mask_build_ms", "first_call_s", "notes")
+ROW_FIELDS = ("family", "seqlen", "head_dim", "heads", "kv_heads", "batch", "mode", "method", "status", "density",
+              "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "notes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,6 +577,11 @@ class Problem:
     seqlen: int
     dtype: torch.dtype
     device: torch.device
+    kv_heads: Optional[int] = None  # GQA: fewer key/value heads than query heads (None: as many)
+
+    @property
+    def gqa(self) -> bool:
+        return self.kv_heads is not None and self.kv_heads != self.heads
 
 
 @dataclass
@@ -650,8 +655,10 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         build_ms = (time.perf_counter() - t0) * 1e3
         flex = compiled_flex_attention(opt.flex_compile)
 
+        gqa = p.gqa
+
         def attn(q, k, v):
-            return _bhsd(flex(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm))
+            return _bhsd(flex(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm, enable_gqa=gqa))
 
         prep = Prepared(attn, mask_bytes=block_mask_bytes(bm), build_ms=build_ms, state={"bm": bm})
         prep.notes.append(f"block mask {how} {build_ms:.0f} ms")
@@ -671,8 +678,10 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         _sync(p.device)
         build_ms = (time.perf_counter() - t0) * 1e3
 
+        gqa = p.gqa
+
         def attn(q, k, v):
-            return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), attn_mask=dense))
+            return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), attn_mask=dense, enable_gqa=gqa))
 
         return Prepared(attn, mask_bytes=dense.numel(), build_ms=build_ms, state={"dense": dense})
 
@@ -681,11 +690,12 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
             raise Skip(f"{method} takes only causal or no mask", report=False)
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = SDPBackend.FLASH_ATTENTION if method == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
-        causal = p.causal
+        causal, gqa = p.causal, p.gqa
 
         def attn(q, k, v):
             with sdpa_kernel(backend):
-                return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=causal))
+                return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=causal,
+                                                            enable_gqa=gqa))
 
         return Prepared(attn, mask_bytes=0)
 
@@ -703,11 +713,13 @@ def release(prep: Optional[Prepared]) -> None:
 # --------------------------------------------------------------------------------------------
 
 def make_inputs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0):
-    """Fresh random q, k, v (requiring grad) and dout, ``[B, S, H, D]``."""
+                seed: int = 0, kv_heads: Optional[int] = None):
+    """Fresh random q, k, v (requiring grad) and dout: q and dout ``[B, S, H, D]``, k and v
+    ``[B, S, kv_heads, D]`` (default ``H``)."""
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, seqlen, heads, head_dim)
-    q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
+    kv_shape = (batch, seqlen, heads if kv_heads is None else kv_heads, head_dim)
+    q, k, v, dout = (torch.randn(sh, generator=g, device=device, dtype=dtype) for sh in (shape, kv_shape, kv_shape, shape))
     for t in (q, k, v):
         t.requires_grad_(True)
     return q, k, v, dout

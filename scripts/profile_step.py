@@ -19,6 +19,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--family", default="causal")
 parser.add_argument("--seqlen", type=int, default=32768)
 parser.add_argument("--heads", type=int, default=16)
+parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
 parser.add_argument("--head-dim", type=int, default=128)
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--deterministic", action="store_true")
@@ -30,9 +31,14 @@ parser.add_argument("--host", action="store_true",
 parser.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd", help="what --time / --kernels run")
 args = parser.parse_args()
 
+kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+if kv_heads < 1 or args.heads % kv_heads:
+    parser.error(f"--kv-heads must divide --heads ({args.heads}), got {kv_heads}")
 torch.manual_seed(0)
 shape = (1, args.seqlen, args.heads, args.head_dim)
-q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+kv_shape = (1, args.seqlen, kv_heads, args.head_dim)
+q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 mask, causal = example(args.family, args.seqlen, device="cuda")
 if args.no_mask:
     if args.family not in ("causal", "full"):
@@ -49,7 +55,8 @@ def step():
     torch.autograd.grad(forward(), (q, k, v), grad)
 
 
-label = f"{args.family}{' (no mask tensor)' if args.no_mask else ''} at {args.seqlen}"
+label = (f"{args.family}{' (no mask tensor)' if args.no_mask else ''} at {args.seqlen}"
+         + (f", {args.heads} query heads on {kv_heads} key/value heads" if kv_heads != args.heads else ""))
 if args.mode == "bwd":
     out = forward()
     timed = lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)  # noqa: E731

@@ -297,6 +297,34 @@ def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypa
     assert common.method_modes("flashmask_det", ["fwd"]) == [] and common.method_modes("flex", ["fwd"]) == ["fwd"]
 
 
+def test_bench_kernels_gqa_on_cpu(tmp_path, capsys):
+    """--kv-heads: every method gets k and v with fewer heads (Flex and SDPA through enable_gqa), the
+    rows say so, and the methods agree on the output."""
+    rows = bench_kernels.run(bench_kernels.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--flex-no-compile", "--families",
+        "causal_document", "--seqlens", "64", "--heads", "4", "--kv-heads", "2", "--head-dims", "16", "--modes",
+        "fwd,fwdbwd", "--methods", "flashmask,flex,sdpa_dense", "--warmup", "0", "--rep", "0", "--out", str(tmp_path)]))
+    by = {(r["mode"], r["method"]): r for r in rows}
+    assert all(r["heads"] == 4 and r["kv_heads"] == 2 for r in rows)
+    for key in (("fwd", "flashmask"), ("fwdbwd", "flashmask"), ("fwd", "sdpa_dense"), ("fwdbwd", "sdpa_dense"),
+                ("fwd", "flex")):
+        assert by[key]["status"] == "ok", by[key]
+    with open(tmp_path / "kernels.csv") as f:
+        assert {r["kv_heads"] for r in csv.DictReader(f)} == {"2"}
+    mask, causal = example("causal_document", 64)
+    p = common.Problem(mask, causal, 1, 4, 16, 64, torch.float32, torch.device("cpu"), kv_heads=2)
+    q, k, v, _ = common.make_inputs(1, 64, 4, 16, torch.float32, torch.device("cpu"), kv_heads=2)
+    assert q.shape == (1, 64, 4, 16) and k.shape == v.shape == (1, 64, 2, 16)
+    opt = common.Options(flashmask_backend="reference", flex_compile=False)
+    q, k, v = q.detach(), k.detach(), v.detach()  # Flex has no CPU backward
+    outs = {m: common.prepare_method(m, p, opt).attn(q, k, v) for m in ("flashmask", "flex", "sdpa_dense")}
+    torch.testing.assert_close(outs["flex"], outs["flashmask"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs["sdpa_dense"], outs["flashmask"], atol=1e-4, rtol=1e-4)
+    with pytest.raises(SystemExit):
+        bench_kernels.parse_args(["--heads", "4", "--kv-heads", "3"])
+    assert "--kv-heads must divide --heads (4), got 3" in capsys.readouterr().err
+
+
 def test_bench_kernels_backward_na_without_kernel(tmp_path, capsys, monkeypatch):
     """With backend='cuda' and no backward kernel, flashmask bwd rows are n/a, not timed."""
     import flashmask

@@ -155,17 +155,18 @@ struct KeyJob {
         if (kBwdDetDown >= 2 && down) {
             // Query block 0 seen by the last key block (global tokens, or no mask at all) is shared
             // by every key block: walking down, each job would end waiting for the one before.
-            const int last = (p.sk - 1) / Traits::kBlockN;
-            const decltype(walk) last_walk{Has_mask ? walk.bnd + (last - n_block) * kNumBounds : nullptr,
-                                           last * Traits::kBlockN, p.sq, p.sk, p.sk - p.sq, m_end};
+            const auto last_walk = walk_of(p, (p.sk - 1) / Traits::kBlockN);
             down = last_walk.visible_at_or_above(last_walk.begin()) != 0;
             if (kBwdDetDown == 3 && down) {  // key block 0 seen by the last query block: walk up too
-                const decltype(walk) first_walk{Has_mask ? walk.bnd - n_block * kNumBounds : nullptr, 0, p.sq, p.sk,
-                                                p.sk - p.sq, m_end};
-                down = first_walk.visible_at_or_below(m_end - 1) != m_end - 1;
+                down = walk_of(p, 0).visible_at_or_below(m_end - 1) != m_end - 1;
             }
         }
         m_first = down ? walk.visible_at_or_below(m_end - 1) : walk.visible_at_or_above(walk.begin());
+    }
+    // The walk of key block n of this job's (batch, head), whose bounds lie next to this block's.
+    __device__ decltype(walk) walk_of(const BwdParams& p, int n) const {
+        return {Has_mask ? walk.bnd + (n - n_block) * kNumBounds : nullptr, n * Traits::kBlockN, p.sq, p.sk,
+                p.sk - p.sq, m_end};
     }
     // The visible query block after m in the walk's direction; valid() once past the last.
     __device__ int next(int m) const { return down ? walk.visible_at_or_below(m - 1) : walk.visible_at_or_above(m + 1); }

@@ -151,11 +151,11 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
 // after the key block below it that sees it, so each head's key blocks must start in ascending
 // order; heads are interleaved `group` at a time (job_and_head's launch order). The group is
 // chosen on the device, with no host sync, from the mean query rows that see a key block. Long
-// walks (full, causal, random eviction at 128K, D=128: 16 heads at a time read 172-401 TFLOP/s and
-// varied per call up to 1.7x, 4 at a time 275-544, within 1.1x of the atomic backward) take
-// kTurnFewHeads; short ones take every head: a band walked upwards (global + sliding window) makes
-// each key block wait two blocks behind the one below it, a chain as long as the head's key blocks
-// in flight (128K: 127 TFLOP/s with 4 heads, 369 with 16). docs/perf_notes.md, version 38.
+// walks take kTurnFewHeads (128K, D=128: full 401 and random eviction 172 TFLOP/s with every head
+// interleaved, varying per call up to 1.7x; 544 and 275 with four, the atomic backward's 553 and
+// 275); short ones take every head: a band walked upwards (global + sliding window) makes each key
+// block wait two blocks behind the one below it, a chain as long as the head's key blocks in flight
+// (128K: 127 TFLOP/s with 4 heads, 369 with 16). docs/perf_notes.md, version 38.
 at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int block_m) {
     const int n = work.size(1);
     const auto launch_order = [&](int group) {

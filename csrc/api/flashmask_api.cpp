@@ -270,8 +270,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     sel.kernels->bwd_kv(p, stream);
     if (dq_kernel) sel.kernels->bwd_dq(p, stream);
     if (expand) {
-        dk.copy_(dk_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
-        dv.copy_(dv_h.view({b, sk, hk, hq / hk, d}).sum(3, /*keepdim=*/false, at::kFloat));
+        // One pass: the reduction accumulates the half-precision slices in fp32 and rounds once.
+        at::sum_out(dk, dk_h.view({b, sk, hk, hq / hk, d}), 3);
+        at::sum_out(dv, dv_h.view({b, sk, hk, hq / hk, d}), 3);
     }
     return {dq, dk, dv};
 }

@@ -45,11 +45,13 @@ inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
 }
 
 // The SM90 deterministic backward's job list in turn (Jobs::key_blocks_in_turn): from this many
-// keys, heads whose key blocks see on average at least kTurnLongRows query rows are interleaved
-// kTurnFewHeads at a time, the others all at once (measured at 128K only: docs/perf_notes.md,
-// version 38); below it every head at once, as without the list.
-constexpr int kTurnListKeys = 65536;
-constexpr int kTurnLongRows = 16384;
+// keys, heads whose key blocks see on average at least 1 / kTurnDenseShare of the query rows are
+// interleaved kTurnFewHeads at a time (their walks are long: fewer heads in flight keep their Q,
+// dO and dQ in L2), the others all at once (their walks are short chains: global + sliding window
+// and causal document need every head's chains in flight). Fitted on the H100 at D=128, 32K and
+// 128K (docs/perf_notes.md, versions 38 and 39); below it every head at once, as without the list.
+constexpr int kTurnListKeys = 32768;
+constexpr int kTurnDenseShare = 6;
 constexpr int kTurnFewHeads = 4;
 
 }  // namespace flashmask

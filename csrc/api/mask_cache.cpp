@@ -150,13 +150,14 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
 // MaskMeta::jobs for the deterministic SM90 backward: a key block adds its dQ to a query block
 // after the key block below it that sees it, so each head's key blocks must start in ascending
 // order; heads are interleaved `group` at a time (job_and_head's launch order). The group is
-// chosen on the device, with no host sync, from the mean query rows that see a key block. Long
-// walks take kTurnFewHeads (128K, D=128: full 401 and random eviction 172 TFLOP/s with every head
-// interleaved, varying per call up to 1.7x; 544 and 275 with four, the atomic backward's 553 and
-// 275); short ones take every head: a band walked upwards (global + sliding window) makes each key
-// block wait two blocks behind the one below it, a chain as long as the head's key blocks in flight
-// (128K: 127 TFLOP/s with 4 heads, 369 with 16). docs/perf_notes.md, version 38.
-at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int block_m) {
+// chosen on the device, with no host sync, from the mean share of query rows that see a key block.
+// Long walks take kTurnFewHeads (128K, D=128: full 401 and random eviction 172 TFLOP/s with every
+// head interleaved, varying per call up to 1.7x; 544 and 275 with four, the atomic backward's 553
+// and 275; 32K: document 382 with every head, 494 with four, atomic 521); short ones take every
+// head: a band walked upwards (global + sliding window) makes each key block wait two blocks behind
+// the one below it, a chain as long as the head's key blocks in flight (128K: 127 TFLOP/s with 4
+// heads, 369 with 16). docs/perf_notes.md, versions 38 and 39.
+at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int sq, int block_m) {
     const int n = work.size(1);
     const auto launch_order = [&](int group) {
         const auto opts = work.options();
@@ -168,7 +169,7 @@ at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int bloc
     };
     int few = std::min(hq, kTurnFewHeads);
     while (hq % few) --few;
-    const at::Tensor long_walks = work.sum() >= (int64_t(kTurnLongRows) / block_m) * work.numel();
+    const at::Tensor long_walks = work.sum() * (int64_t(block_m) * kTurnDenseShare) >= int64_t(sq) * work.numel();
     return at::where(long_walks, launch_order(few), launch_order(hq));
 }
 
@@ -192,7 +193,7 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
             m.floor = floor;
         }
         if (want_jobs) {
-            m.jobs = jobs == Jobs::key_blocks_in_turn ? compute_turn_jobs(work, m.mask.size(0), hq, block_m)
+            m.jobs = jobs == Jobs::key_blocks_in_turn ? compute_turn_jobs(work, m.mask.size(0), hq, sq, block_m)
                                                       : compute_jobs(work, m.mask.size(0), hq);
         }
         computed = true;

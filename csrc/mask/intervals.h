@@ -52,4 +52,27 @@ __host__ __device__ __forceinline__ bool row_masked(const int (&v)[kC], int row)
     }
 }
 
+// Whether the query rows [a, b] (inclusive) are all masked, or none, by a key column whose C raw
+// values are `v`: row_masked's intervals tested against a span of rows at once, so that a warp can
+// leave out the columns its rows need no compare for. An answer of neither is always safe: it only
+// means the rows get compared one by one (a span on an interval's edge, or covered by two
+// intervals together only).
+struct RowSpanMask {
+    bool all, none;
+};
+template <bool Is_causal, int kC>
+__host__ __device__ __forceinline__ RowSpanMask rows_masked(const int (&v)[kC], int a, int b) {
+    const auto within = [&](int lo, int hi) { return RowSpanMask{lo <= a && b < hi, b < lo || a >= hi}; };
+    const auto from = [&](int lo) { return RowSpanMask{lo <= a, b < lo}; };
+    const auto below = [&](int hi) { return RowSpanMask{b < hi, a >= hi}; };
+    const auto either = [](RowSpanMask x, RowSpanMask y) { return RowSpanMask{x.all || y.all, x.none && y.none}; };
+    if constexpr (Is_causal) {
+        if constexpr (kC == 1) return from(v[0]);
+        else return within(v[0], v[1]);
+    } else {
+        if constexpr (kC == 2) return either(from(v[0]), below(v[1]));
+        else return either(within(v[0], v[1]), within(v[2], v[3]));
+    }
+}
+
 }  // namespace flashmask

@@ -24,7 +24,7 @@ struct FwdTraits {
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;  // + one producer warpgroup
     // setmaxnreg: the producer gives its registers to the consumers.
-    static constexpr int kProducerRegisters = FLASHMASK_SM90_FWD_PRODUCER_REGS;
+    static constexpr int kProducerRegisters = fwd_tile(kHeadDim).producer_registers;
     static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
     static_assert(setmaxnreg_fits(kNThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
                   "more registers than the CTA holds at launch: the consumers' setmaxnreg would wait for ever");

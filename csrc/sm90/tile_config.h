@@ -7,7 +7,7 @@ namespace flashmask::sm90 {
 // q_stages Q buffers, so that with two the next job's Q loads while this job still runs (a job
 // of a window's few blocks otherwise waits for its Q after the last S of the one before).
 struct FwdTile {
-    int block_m, block_n, consumer_warpgroups, stages, q_stages;
+    int block_m, block_n, consumer_warpgroups, stages, q_stages, producer_registers;
 };
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
@@ -35,12 +35,22 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_WG_SKIP
 #define FLASHMASK_SM90_FWD_WG_SKIP 3
 #endif
+// The element compare of a partial tile by quarters of 32 keys, a warp (16 rows) at a time
+// (mask_scores_by_quarter, mask/element_mask.h): keys that the warp's rows all see are skipped and
+// keys that they all miss filled, from a ballot over the staged mask columns; 0 compares every score.
+#ifndef FLASHMASK_SM90_FWD_QUARTERS
+#define FLASHMASK_SM90_FWD_QUARTERS 1
+#endif
 // The forward producer warpgroup's registers after setmaxnreg: with 24 its block walk spills a
-// few words per block (more with the per-warpgroup tickets); at head dim 64, 32 still leaves the
-// consumers theirs (128 * 32 + 384 * 160 = 65536) and removes most of those spills, but timed
-// within noise of 24 (version 34). At head dim 128 it does not fit (setmaxnreg_fits).
-#ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS
-#define FLASHMASK_SM90_FWD_PRODUCER_REGS 24
+// few words per block (more with the per-warpgroup tickets). At head dim 64, 32 still leaves the
+// consumers theirs (128 * 32 + 384 * 160 = 65536) and reads sliding window 1-3% faster at 8K-128K
+// on two passes, the other families within the runs' drift (version 39; within noise in version
+// 34, before the tile floor and the decoded jobs). At head dim 128 it does not fit (setmaxnreg_fits).
+#ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS64
+#define FLASHMASK_SM90_FWD_PRODUCER_REGS64 32
+#endif
+#ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS128
+#define FLASHMASK_SM90_FWD_PRODUCER_REGS128 24
 #endif
 // Two Q buffers at head dim 64 (head dim 128 has no room): sliding window +3-6% alone, +2-5% on top
 // of FWD_WG_SKIP (versions 36 and 34).
@@ -57,8 +67,9 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
 }
 constexpr FwdTile fwd_tile(int head_dim) {
     return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,
-                                    FLASHMASK_SM90_FWD_Q_STAGES64}
-                          : FwdTile{128, 128, 2, 2, 1};  // a second Q buffer does not fit at head dim 128
+                                    FLASHMASK_SM90_FWD_Q_STAGES64, FLASHMASK_SM90_FWD_PRODUCER_REGS64}
+                          // a second Q buffer does not fit at head dim 128
+                          : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128};
 }
 
 // Backward: a CTA owns BlockN keys (64 per consumer warpgroup) and walks query blocks of BlockM rows,

@@ -3,6 +3,7 @@
 // neutral: a kernel passes its accumulator and the matching identity partition as (rows, cols).
 #pragma once
 #include <cute/tensor.hpp>
+#include <type_traits>
 
 #include "common/cp_async.h"
 #include "mask/block_walk.h"
@@ -62,22 +63,14 @@ __device__ __forceinline__ void mask_scores_with(S& s, Coords const& coords, int
     }
 }
 
-// The forward's compare of a 128-key tile by quarters, a warp at a time: each lane classifies four
-// key columns against the warp's 16 query rows (rows_masked), and a ballot gathers each quarter of
-// 32 keys; a quarter that no row of the warp has masked is skipped, one that masks them all is
-// filled, and only the others are compared score by score. A window's or the diagonal's edge
-// crosses a warp's rows within 16 keys, so most of a partial tile's quarters need no compare.
-// Needs the thread layout of a 16-row mma.sync or wgmma accumulator (rows lane/4 and lane/4 + 8;
-// keys 8j + 2 (lane % 4) + e, e in {0, 1}: the thread's key columns [8Q, 8Q + 8) are the tile's
-// keys [32Q, 32Q + 32)).
-template <bool Is_causal, int kMaskC, bool kIntervals, bool kEdges, typename S, typename Coords>
-__device__ __forceinline__ void mask_scores_by_quarter(S& s, Coords const& coords, int r0, int c0, int sk,
-                                                       int causal_offset, const int* smem_mask) {
-    static_assert(decltype(cute::size<1>(s))::value == 32 && decltype(cute::size<0>(s))::value == 2,
-                  "a 16-row accumulator's share of 128 keys");
+// The lanes (bit l) whose four keys 4l .. 4l + 3 of a 128-key tile are seen by all 16 query rows of
+// the warp, and those whose four keys all of them miss (mask_scores_by_quarter).
+template <bool Is_causal, int kMaskC, bool kIntervals, bool kEdges, typename Coords>
+__device__ __forceinline__ void classify_quarters(Coords const& coords, int r0, int c0, int sk, int causal_offset,
+                                                  const int* smem_mask, unsigned& seen_lanes, unsigned& hidden_lanes) {
     const int lane = threadIdx.x % 32;
     const int w0 = __shfl_sync(0xffffffffu, r0 + cute::get<0>(coords(0, 0)), 0), w1 = w0 + 15;
-    bool seen = true, hidden = true;  // by all 16 rows, in this lane's four keys
+    bool seen = true, hidden = true;
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
         const int c = 4 * lane + i, col = c0 + c;
@@ -96,7 +89,26 @@ __device__ __forceinline__ void mask_scores_by_quarter(S& s, Coords const& coord
         seen &= m.none;
         hidden &= m.all;
     }
-    const unsigned seen_lanes = __ballot_sync(0xffffffffu, seen), hidden_lanes = __ballot_sync(0xffffffffu, hidden);
+    seen_lanes = __ballot_sync(0xffffffffu, seen);
+    hidden_lanes = __ballot_sync(0xffffffffu, hidden);
+}
+
+// The forward's compare of a 128-key tile by quarters, a warp at a time: each lane classifies four
+// key columns against the warp's 16 query rows (rows_masked), and a ballot gathers each quarter of
+// 32 keys; a quarter that no row of the warp has masked is skipped, one that masks them all is
+// filled, and only the others are compared score by score. A window's or the diagonal's edge
+// crosses a warp's rows within 16 keys, so most of a partial tile's quarters need no compare.
+// Needs the thread layout of a 16-row mma.sync or wgmma accumulator (rows lane/4 and lane/4 + 8;
+// keys 8j + 2 (lane % 4) + e, e in {0, 1}: the thread's key columns [8Q, 8Q + 8) are the tile's
+// keys [32Q, 32Q + 32)).
+template <bool Is_causal, int kMaskC, bool kIntervals, bool kEdges, typename S, typename Coords>
+__device__ __forceinline__ void mask_scores_by_quarter(S& s, Coords const& coords, int r0, int c0, int sk,
+                                                       int causal_offset, const int* smem_mask) {
+    static_assert(decltype(cute::size<1>(s))::value == 32 && decltype(cute::size<0>(s))::value == 2,
+                  "a 16-row accumulator's share of 128 keys");
+    unsigned seen_lanes, hidden_lanes;
+    classify_quarters<Is_causal, kMaskC, kIntervals, kEdges>(coords, r0, c0, sk, causal_offset, smem_mask, seen_lanes,
+                                                             hidden_lanes);
     // Quarter q of the tile's keys (the thread's key columns [8q, 8q + 8)) was classified by lanes
     // [8q, 8q + 8). Filled in a pass of its own: with three ways per quarter ptxas kept every score
     // live across them (2 KB of spills at head dim 64). The empty asm keeps each fill a branch:
@@ -137,17 +149,25 @@ __device__ __forceinline__ void mask_tile(S& s, Coords const& coords, int r0, in
     }
 }
 
+// kQuarters: the causal diagonal and the key end by quarters, and the column intervals too where
+// the producer found them tight (bounds_tight: their ends move little across the block, as along a
+// window); intervals that jump from key to key (random eviction) cut every quarter, and there the
+// quarters' ballots and branches cost 3-13% (version 39).
 template <bool Is_causal, int kMaskC, bool kKeyRows = false, bool kQuarters = false, typename S, typename Coords>
 __device__ __forceinline__ void mask_scores(S& s, Coords const& coords, const TileCompare& t, int r0, int c0, int sk,
-                                            int causal_offset, const int* smem_mask) {
+                                            int causal_offset, const int* smem_mask, bool tight = false) {
     if constexpr (kMaskC > 0) {
         if (t.intervals) {
-            if (t.edges) {
-                mask_tile<Is_causal, kMaskC, true, true, kKeyRows, kQuarters>(s, coords, r0, c0, sk, causal_offset,
-                                                                              smem_mask);
+            const auto with = [&](auto edges, auto quarters) {
+                mask_tile<Is_causal, kMaskC, true, decltype(edges)::value, kKeyRows, decltype(quarters)::value>(
+                    s, coords, r0, c0, sk, causal_offset, smem_mask);
+            };
+            if (kQuarters && tight) {
+                if (t.edges) with(std::true_type{}, std::bool_constant<kQuarters>{});
+                else with(std::false_type{}, std::bool_constant<kQuarters>{});
             } else {
-                mask_tile<Is_causal, kMaskC, true, false, kKeyRows, kQuarters>(s, coords, r0, c0, sk, causal_offset,
-                                                                               smem_mask);
+                if (t.edges) with(std::true_type{}, std::false_type{});
+                else with(std::false_type{}, std::false_type{});
             }
             return;
         }

@@ -39,6 +39,14 @@ __host__ __device__ inline TileMask classify_tile(const int* b, int r0, int r1) 
     return t;
 }
 
+// Whether the column intervals' ends move by at most `rows` across a key block, from its bounds:
+// then a warp's 16 rows meet few of the block's keys on an interval's edge (a window's edges move
+// one row per key), while ends that jump from key to key (random eviction) cut every part of it.
+__host__ __device__ inline bool bounds_tight(const int* b, int rows) {
+    return b[kLtsMax] - b[kLtsMin] <= rows && b[kLteMax] - b[kLteMin] <= rows && b[kUtsMax] - b[kUtsMin] <= rows &&
+           b[kUteMax] - b[kUteMin] <= rows;
+}
+
 // Whether query row `row` is masked for a key column whose C raw values are `v`, in the
 // (causal, C) mode fixed at compile time (the causal triangle is checked separately).
 template <bool Is_causal, int kC>

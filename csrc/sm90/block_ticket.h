@@ -26,12 +26,15 @@ struct BlockTicket {
 // they see the job's next block (so that a group knows where its run of blocks ends without
 // reading the next ticket before it issues that block's GEMMs), and what its own compare needs,
 // which is often less than the whole tile's.
-// block << kBlockShift | last << 4 * kGroups | per group g, at bit 4g:
+// block << kBlockShift | tight << kTightBit | last << 4 * kGroups | per group g, at bit 4g:
 //   sees_next << 3 | sees << 2 | edges << 1 | intervals.
+// tight: the column intervals' ends move by at most kTightRows across the block (bounds_tight),
+// so that the consumers' compare by quarters pays there (mask_scores).
 template <int kGroups>
 struct GroupTicket {
     static_assert(kGroups >= 1 && kGroups <= 3);
-    static constexpr int kLastBit = 4 * kGroups, kBlockShift = kLastBit + 1;
+    static constexpr int kLastBit = 4 * kGroups, kTightBit = kLastBit + 1, kBlockShift = kTightBit + 1;
+    static constexpr int kTightRows = 256;
     static constexpr int kMaxBlocks = 1 << (31 - kBlockShift);  // fwd_launch.h checks Sk against it
     int bits;
 
@@ -59,7 +62,7 @@ struct GroupTicket {
     // kPerGroupCompare: each group's own compare; otherwise the tile's for every group.
     template <bool kPerGroupCompare, typename Walk>
     __device__ static GroupTicket make(const Walk& walk, int block, const BlockBounds& b, int sight) {
-        int bits = block << kBlockShift;
+        int bits = block << kBlockShift | int(bounds_tight(b.v, kTightRows)) << kTightBit;
         const TileCompare tile = walk.compare(block, b);
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) {
@@ -77,6 +80,7 @@ struct GroupTicket {
     }
     __device__ int block() const { return bits >> kBlockShift; }
     __device__ bool last() const { return (bits >> kLastBit & 1) != 0; }
+    __device__ bool tight() const { return (bits >> kTightBit & 1) != 0; }
     __device__ bool sees(int g) const { return (bits >> (4 * g + 2) & 1) != 0; }
     // Group g's run goes on into the next block.
     __device__ bool run_continues(int g) const { return (bits >> (4 * g + 3) & 1) != 0; }

@@ -273,7 +273,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             const TileCompare cmp = ticket.compare(cwg);
             if (cmp.any) {
                 mask_scores<Is_causal, kMaskC, /*kKeyRows=*/false, FLASHMASK_SM90_FWD_QUARTERS != 0>(
-                    s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot]);
+                    s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot],
+                    ticket.tight());
             }
             softmax.update_scores(s_rc, p.scale_log2, correction);
         };

@@ -42,6 +42,7 @@ __host__ __device__ inline TileMask classify_tile(const int* b, int r0, int r1) 
 // Whether the column intervals' ends move by at most `rows` across a key block, from its bounds:
 // then a warp's 16 rows meet few of the block's keys on an interval's edge (a window's edges move
 // one row per key), while ends that jump from key to key (random eviction) cut every part of it.
+// Only a speed hint: the compare by quarters is exact whatever it says.
 __host__ __device__ inline bool bounds_tight(const int* b, int rows) {
     return b[kLtsMax] - b[kLtsMin] <= rows && b[kLteMax] - b[kLteMin] <= rows && b[kUtsMax] - b[kUtsMin] <= rows &&
            b[kUteMax] - b[kUteMin] <= rows;

@@ -14,6 +14,7 @@
 #   HEAD_DIM=64 (or 64,128) DTYPE=bf16 SEQLENS=8k,32k,128k  what to build and time
 #   BENCH_HEAD_DIMS=64               time only these head dims (default: HEAD_DIM), e.g. where a
 #                                    variant differs from main at one head dim only
+#   KV_HEADS=2                       time with that many key/value heads (GQA, 16 query heads)
 #   ARCHS=90 (or 80,90: the SM80 kernels too, e.g. for their GPU tests)
 #   METHODS=flashmask,flashmask_det  what to time (flashmask_det gets a column <name>_det)
 #   FAMILIES=all (or a comma list)  the mask families to time
@@ -67,7 +68,7 @@ for v in "${VARS[@]}"; do
 done
 bench() {  # bench <variant> <column>
     ( cd "/tmp/variant_$1" && timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py --seqlens "$SEQLENS" \
-        --families "${FAMILIES:-all}" --head-dims "${BENCH_HEAD_DIMS:-$HEAD_DIM}" --modes "$MODES" --methods "${METHODS:-flashmask}" --quick \
+        --families "${FAMILIES:-all}" --head-dims "${BENCH_HEAD_DIMS:-$HEAD_DIM}" --modes "$MODES" --methods "${METHODS:-flashmask}" ${KV_HEADS:+--kv-heads $KV_HEADS} --quick \
         --out "$OUT/$2" > "$OUT/bench_$2.log" 2>&1 || { echo "BENCH FAILED: $2"; tail -5 "$OUT/bench_$2.log"; } )
     columns+=("$2")
 }

@@ -27,8 +27,8 @@
 #include "mask/element_mask.h"
 #include "mask/mask_head.h"
 #include "sm90/block_ticket.h"
-#include "sm90/group_sum.h"
 #include "sm90/bwd_traits.h"
+#include "sm90/group_sum.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
 

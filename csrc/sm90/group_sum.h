@@ -8,15 +8,13 @@
 
 namespace flashmask::sm90 {
 
-__device__ __forceinline__ void red_add(float* dst, float a) {
-    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(a) : "memory");
-}
 __device__ __forceinline__ void red_add_pair(float* dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
 
 // acc: the calling consumer thread's accumulator of tiled_mma over the (kBlockN, kHeadDim) tile of
-// keys [n0, n0 + kBlockN); rows past sk and columns past d are left out.
+// keys [n0, n0 + kBlockN); rows past sk and columns past d are left out. d is a multiple of 8 (the
+// binding checks it), so a pair never straddles d and its 8 bytes are aligned.
 template <int kBlockN, int kHeadDim, typename Acc, typename TiledMma>
 __device__ __forceinline__ void add_to_group(float* accum, Acc const& acc, TiledMma const& tiled_mma, int ctid,
                                              int n0, int sk, int d, int hk, int kv_h, int b) {
@@ -25,18 +23,10 @@ __device__ __forceinline__ void add_to_group(float* accum, Acc const& acc, Tiled
         tiled_mma.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     float* const head = accum + (int64_t(b) * sk * hk + kv_h) * d;  // key row r at r * hk * d
     const int64_t row_stride = int64_t(hk) * d;
-    const bool pairs = d % 2 == 0;  // 8-byte aligned pairs
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
         const int row = n0 + get<0>(c(i)), col = get<1>(c(i));
-        if (row >= sk || col >= d) continue;
-        float* const dst = head + row * row_stride + col;
-        if (pairs) {
-            red_add_pair(dst, acc(i), acc(i + 1));  // col + 1 < d: d even, col even
-        } else {
-            red_add(dst, acc(i));
-            if (col + 1 < d) red_add(dst + 1, acc(i + 1));
-        }
+        if (row < sk && col < d) red_add_pair(head + row * row_stride + col, acc(i), acc(i + 1));
     }
 }
 

@@ -99,7 +99,7 @@ struct BwdJob {
 
 // The SM90 backward's scheduler: (key block, head, batch) jobs in the order of the mask's job list
 // (MaskMeta::jobs: heaviest first, head by head within a bucket; in deterministic mode each head's
-// key blocks ascending) or, without one (no mask, or deterministic mode below 64K keys), of the
+// key blocks ascending) or, without one (no mask, or deterministic mode below 32K keys), of the
 // SM80 backward's grid (launch_order.h: heads in groups of p.head_group, key blocks ascending, so
 // that causal key blocks, which see the most queries, come first). kPersistent: one CTA per SM
 // draws them like the forward's, and the producer warp publishes each next job into a one-job slot

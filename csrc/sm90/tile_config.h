@@ -12,7 +12,8 @@ struct FwdTile {
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
 // on most families at 32K-128K, -10% on global + sliding window; docs/perf_notes.md, version 20).
-// FLASHMASK_SM90_FWD_WG64=2 builds the two-warpgroup pingpong instead (scripts/sweep_variants.sh).
+// FLASHMASK_SM90_FWD_WG64=2 builds the two-warpgroup pingpong instead (scripts/sweep_variants.sh):
+// 4-15% slower on every family timed in version 40, sliding window included.
 #ifndef FLASHMASK_SM90_FWD_WG64
 #define FLASHMASK_SM90_FWD_WG64 3
 #endif
@@ -48,9 +49,10 @@ struct FwdTile {
 // few words per block (more with the per-warpgroup tickets). At head dim 64, 32 still leaves the
 // consumers theirs (128 * 32 + 384 * 160 = 65536) and reads sliding window 1-3% faster at 8K-128K
 // on two passes, the other families within the runs' drift (version 39; within noise in version
-// 34, before the tile floor and the decoded jobs). At head dim 128 it does not fit (setmaxnreg_fits).
+// 34, before the tile floor and the decoded jobs). At head dim 128 it does not fit (setmaxnreg_fits),
+// nor in the two-warpgroup build, whose consumers take 240 each.
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS64
-#define FLASHMASK_SM90_FWD_PRODUCER_REGS64 32
+#define FLASHMASK_SM90_FWD_PRODUCER_REGS64 (FLASHMASK_SM90_FWD_WG64 == 2 ? 24 : 32)
 #endif
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS128
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS128 24
@@ -92,9 +94,9 @@ struct BwdTile {
 };
 // GQA: 1 builds the backward that adds each query head's dK and dV tiles into fp32 accumulators of
 // its key/value head (sm90/group_sum.h) instead of storing them for the binding to sum; the binding
-// then uses it for every non-deterministic GQA backward. Prepared in version 39 without a GPU run:
-// the separate one-pass sum costs sliding window 8K at D=128 about 9% of its backward (Hk 2 against
-// 16); off until tested and timed (`VARIANTS="main= sum=BWD_GQA_SUM=1"`, bench_kernels --kv-heads 2).
+// then uses it for every non-deterministic GQA backward. Off: at 16 / 2 heads it read as the
+// separate one-pass sum on every D=64 cell and 3-10% slower on sliding window at D=128 (version
+// 40; the backward GPU tests pass with it).
 #ifndef FLASHMASK_SM90_BWD_GQA_SUM
 #define FLASHMASK_SM90_BWD_GQA_SUM 0
 #endif

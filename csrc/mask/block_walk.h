@@ -41,6 +41,30 @@ __device__ __forceinline__ BlockBounds load_bounds(const int* row) {  // rows ar
     return {{a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w}};
 }
 
+// The highest key block in [floor, top] that rows [r0, r1) see, or -1; bounds: the head's
+// [n_key_blocks, 8]. Below a masked block there are often long masked runs (other documents, keys
+// outside a window), so each lane classifies kPerLane of the next 32 * kPerLane blocks at once: a
+// run costs one round of loads per 32 * kPerLane blocks instead of one dependent load per block.
+// Whole warps only (uniform control flow).
+template <int kPerLane>
+__device__ __forceinline__ int highest_visible_block(const int* bounds, int top, int floor, int r0, int r1) {
+    const int lane = threadIdx.x % 32;
+    for (; top >= floor; top -= 32 * kPerLane) {
+        bool seen[kPerLane];
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const int cand = top - 32 * i - lane;
+            seen[i] = cand >= floor && !classify_tile(load_bounds(bounds + cand * kNumBounds).v, r0, r1).fully_masked;
+        }
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+            const unsigned ballot = __ballot_sync(0xffffffffu, seen[i]);
+            if (ballot != 0u) return top - 32 * i - (__ffs(ballot) - 1);
+        }
+    }
+    return -1;
+}
+
 // Forward and dQ: a query tile [r0, r1) walks key blocks downwards. Callers fetch a block's
 // bounds (bounds_of) well before they need them, so that the load hides behind a GEMM.
 template <int kBlockN, bool Is_causal, bool Has_mask>
@@ -67,22 +91,9 @@ struct KeyBlockWalk {
     __device__ int visible_at_or_below(int n, BlockBounds& b) const {
         if (n < n_floor) return -1;
         if (!Has_mask || !classify_tile(b.v, r0, r1).fully_masked) return n;
-        // Below a masked block there are often long masked runs (other documents, keys left of a
-        // window): each lane classifies one of the next 32 blocks, so a run costs one dependent
-        // load per 32 blocks instead of one per block.
-        const int lane = threadIdx.x % 32;
-        for (int top = n - 1; top >= n_floor; top -= 32) {
-            const int cand = top - lane;
-            const bool visible = cand >= n_floor &&
-                                 !classify_tile(load_bounds(bounds + cand * kNumBounds).v, r0, r1).fully_masked;
-            const unsigned ballot = __ballot_sync(0xffffffffu, visible);
-            if (ballot != 0u) {
-                n = top - (__ffs(ballot) - 1);
-                b = bounds_of(n);
-                return n;
-            }
-        }
-        return -1;
+        n = highest_visible_block<1>(bounds, n - 1, n_floor, r0, r1);
+        if (n >= 0) b = bounds_of(n);
+        return n;
     }
     __device__ TileCompare compare(int n, const BlockBounds& b) const {
         return tile_compare(Has_mask ? b.v : nullptr, r0, r1, n * kBlockN, kBlockN, sk, Is_causal, causal_offset);
@@ -147,30 +158,15 @@ struct QueryBlockWalk {
     // Deterministic dQ: the key block below this one that sees query block m (a block this walk
     // visits) last before it, or -1: the test of visible_at_or_above, made from the query side. A
     // lower block passes the causal bound wherever this one does. Mostly the block just below; past
-    // a window's or a document's edge the answer is far down or none, so each lane then tests
-    // kPerLane blocks of the next 32 * kPerLane at once. The whole warp must call it.
+    // a window's or a document's edge the answer is far down or none, and the search there takes
+    // four blocks per lane (a dQ turn waits on it). The whole warp must call it.
     __device__ int previous_visitor(int m) const {
         const int n = c0 / kBlockN;
         if (!Has_mask || n == 0) return n - 1;
-        constexpr int kPerLane = 4;
         const int r0 = m * kBlockM, r1 = min(r0 + kBlockM, sq);
         const int* const head = bnd - n * kNumBounds;
         if (!classify_tile(head + (n - 1) * kNumBounds, r0, r1).fully_masked) return n - 1;  // the usual answer
-        const int lane = threadIdx.x % 32;
-        for (int top = n - 2; top >= 0; top -= 32 * kPerLane) {
-            bool seen[kPerLane];
-#pragma unroll
-            for (int i = 0; i < kPerLane; ++i) {
-                const int cand = top - 32 * i - lane;
-                seen[i] = cand >= 0 && !classify_tile(head + cand * kNumBounds, r0, r1).fully_masked;
-            }
-#pragma unroll
-            for (int i = 0; i < kPerLane; ++i) {
-                const unsigned ballot = __ballot_sync(0xffffffffu, seen[i]);
-                if (ballot != 0u) return top - 32 * i - (__ffs(ballot) - 1);
-            }
-        }
-        return -1;
+        return highest_visible_block<4>(head, n - 2, 0, r0, r1);
     }
     __device__ TileCompare compare(int m) const {
         const int r0 = m * kBlockM;

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE && !Barriers::kPingpong;
     constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
     constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
+    constexpr bool kDecodeWarp = FLASHMASK_SM90_FWD_DECODE_WARP != 0;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -111,6 +112,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     q_params.num_consumers = pipe_params.num_consumers;
     PipelineQ pipeline_q(shared.pipeline_q, q_params, Shape<_1, _1, _1>{});
     Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+    if constexpr (kDecodeWarp) {
+        if (threadIdx.x == 0) shared.hand_over.init();
+    }
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
@@ -119,7 +123,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
 
     if (warp_group == 0) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-        if (warp != 0) return;
         // Job x decoded, and its highest visible key block (-1: none, or no job x).
         auto decode = [&](int x, int& n_top) {
             FwdSlot s{x, {}, 0};
@@ -131,6 +134,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 s.visible = n_top >= 0;
             }
             return s;
+        };
+        if constexpr (kDecodeWarp) {
+            if (warp == 1) {  // every job of this CTA, the end marker too, one ahead of the load warp
+                uint32_t phase = 1;
+                for (bool first = true;; first = false) {
+                    shared.hand_over.wait_free(phase);
+                    const int x = first ? scheduler.first() : scheduler.draw(p);
+                    int n_top;
+                    const FwdSlot next = decode(x, n_top);
+                    shared.hand_over.put(next, n_top);
+                    if (!scheduler.valid(x)) break;
+                }
+                return;
+            }
+        }
+        if (warp != 0) return;
+        uint32_t take_phase = 0;
+        // The load warp's next job: from the decode warp, or drawn and decoded here.
+        auto next_job = [&](bool first, int& n_top) {
+            if constexpr (kDecodeWarp) return shared.hand_over.take(n_top, take_phase);
+            else return decode(first ? scheduler.first() : scheduler.draw(p), n_top);
         };
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
@@ -144,7 +168,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         // them in a [&] lambda, ptxas guarded the head dim 128 consumers' code with 90 runtime
         // traps (BPT.TRAP, cuobjdump) and that forward ran 6-10% slower on every family.
         int n_block;
-        FwdSlot job = decode(scheduler.first(), n_block);
+        FwdSlot job = next_job(/*first=*/true, n_block);
         scheduler.publish(job, shared.next_job, /*after_first=*/false);
         while (scheduler.valid(job.x)) {
             if (n_block >= 0) {  // else the consumers write zeros
@@ -198,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
                 }
             }
-            job = decode(scheduler.draw(p), n_block);
+            job = next_job(/*first=*/false, n_block);
             scheduler.publish(job, shared.next_job, /*after_first=*/true);
         }
         return;

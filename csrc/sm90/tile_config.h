@@ -57,6 +57,16 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS128
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS128 24
 #endif
+// FWD_DECODE_WARP=1: a second producer warp draws and decodes each job (the atomic draw, the job
+// list, the tile floor, the top block's bounds: dependent global loads) while the load warp still
+// issues the loads of the job before, and hands it over through shared memory
+// (tile_scheduler.h, JobHandOver). Off by default: prepared in version 40, not yet run on a GPU.
+// Why: ncu on sliding window 32K at D=64 (version 40) sampled the consumers waiting at a job's
+// start, for its Q and then its first K, at about 10% of all stall samples; the load warp draws
+// and decodes the next job only after the last K of the current one is issued.
+#ifndef FLASHMASK_SM90_FWD_DECODE_WARP
+#define FLASHMASK_SM90_FWD_DECODE_WARP 0
+#endif
 // Two Q buffers at head dim 64 (head dim 128 has no room): sliding window +3-6% alone, +2-5% on top
 // of FWD_WG_SKIP (versions 36 and 34).
 #ifndef FLASHMASK_SM90_FWD_Q_STAGES64

@@ -36,6 +36,53 @@ struct FwdSlot {
     int visible;
 };
 
+// FWD_DECODE_WARP (tile_config.h): the producer's decode warp draws and decodes each job one ahead
+// of its load warp and passes it on through a one-job slot guarded by two mbarriers of one
+// arrival each: `full` (a job is in) and `empty` (the load warp has read it). The slot is read
+// and written through volatile: CUTLASS's mbarrier wait and arrive carry no memory clobber.
+struct JobHandOver {
+    FwdSlot slot;
+    int n_top;  // the job's highest visible key block, -1: none
+    uint64_t full, empty;
+
+    __device__ void init() {  // one thread, before the CTA's first __syncthreads
+        cutlass::arch::ClusterBarrier::init(&full, 1);
+        cutlass::arch::ClusterBarrier::init(&empty, 1);
+    }
+    // Decode warp, before it draws each job: waits until the load warp has taken the one before,
+    // so that a CTA holds at most one job it has not started (a job drawn earlier could wait there
+    // while another SM idles at the end of the run). phase starts at 1: a fresh barrier's previous
+    // phase counts as complete, so the first wait returns at once.
+    __device__ void wait_free(uint32_t& phase) {
+        cutlass::arch::ClusterBarrier::wait(&empty, phase);
+        phase ^= 1;
+    }
+    __device__ void put(const FwdSlot& next, int top) {
+        if (threadIdx.x % 32 == 0) {
+            volatile JobHandOver& h = *this;
+            h.slot.x = next.x;
+            h.slot.job.m_block = next.job.m_block;
+            h.slot.job.h = next.job.h;
+            h.slot.job.b = next.job.b;
+            h.slot.visible = next.visible;
+            h.n_top = top;
+            cutlass::arch::ClusterBarrier::arrive(&full);  // releases the writes above (.release.cta)
+        }
+        __syncwarp();
+    }
+    // Load warp: the next job and its top block; phase starts at 0.
+    __device__ FwdSlot take(int& top, uint32_t& phase) {
+        cutlass::arch::ClusterBarrier::wait(&full, phase);
+        phase ^= 1;
+        const volatile JobHandOver& h = *this;
+        const FwdSlot next{h.slot.x, {h.slot.job.m_block, h.slot.job.h, h.slot.job.b}, h.slot.visible};
+        top = h.n_top;
+        __syncwarp();  // every lane has read the slot before it is freed
+        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&empty);
+        return next;
+    }
+};
+
 // The hand-over: the producer warp publishes into a one-job slot that every consumer has read.
 // Each consumer warpgroup waits for the publication on its own barrier, so that one can start the
 // next job while another, half a block behind in the pingpong, still finishes this one.

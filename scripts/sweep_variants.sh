@@ -21,7 +21,8 @@
 #   PASSES=1 (or 2)                  2: time the variants again in reverse order (columns <name>_2),
 #                                    to tell a change from the drift of a quick run (3-6%)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
-#                                    folder (e.g. ncu)
+#                                    folder (e.g. ncu: `cd $V_main && KERNEL=fwd_kernel ... bash
+#                                    scripts/ncu_profile.sh`, which profiles that folder's build)
 # Prints one line per (head dim, family, seqlen, mode) with each variant's TFLOP/s (scripts/sweep_table.py),
 # also written to $OUT/sweep.csv (each variant's own CSV stays under $OUT/<name>/).
 set -o pipefail
@@ -36,7 +37,7 @@ for v in "${VARS[@]}"; do
     dir=/tmp/variant_$name; rm -rf "$dir"; mkdir -p "$dir"
     src=.
     if [[ $flags == @* ]]; then src=${flags#@}; flags=""; fi
-    ( cd "$src" && cp -r setup.py pyproject.toml README.md LICENSE csrc flashmask masks benchmarks tests "$dir"/ )
+    ( cd "$src" && cp -r setup.py pyproject.toml README.md LICENSE csrc flashmask masks benchmarks tests scripts "$dir"/ )
     defs=""; IFS=, read -r -a kvs <<< "$flags"
     for kv in "${kvs[@]}"; do [ -n "$kv" ] && defs+="#define FLASHMASK_SM90_${kv%%=*} ${kv#*=}"$'\n'; done
     printf '%s' "$defs" | cat - "$src/csrc/sm90/tile_config.h" > "$dir/csrc/sm90/tile_config.h"

@@ -25,8 +25,8 @@ struct FwdTraits {
     static constexpr int kNThreads = kConsumerThreads + 128;  // + one producer warpgroup
     // setmaxnreg: the producer gives its registers to the consumers.
     static constexpr int kProducerRegisters = fwd_tile(kHeadDim).producer_registers;
-    static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 240 : 160;
-    static_assert(setmaxnreg_fits(kNThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+    static constexpr int kConsumerRegisters = fwd_tile(kHeadDim).consumer_registers;
+    static_assert(fwd_registers_fit(kHeadDim),
                   "more registers than the CTA holds at launch: the consumers' setmaxnreg would wait for ever");
     static_assert(kBlockM == 64 * kConsumerWarpgroups);
 

@@ -7,7 +7,7 @@ namespace flashmask::sm90 {
 // q_stages Q buffers, so that with two the next job's Q loads while this job still runs (a job
 // of a window's few blocks otherwise waits for its Q after the last S of the one before).
 struct FwdTile {
-    int block_m, block_n, consumer_warpgroups, stages, q_stages, producer_registers;
+    int block_m, block_n, consumer_warpgroups, stages, q_stages, producer_registers, consumer_registers;
 };
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
@@ -82,9 +82,17 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
 }
 constexpr FwdTile fwd_tile(int head_dim) {
     return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,
-                                    FLASHMASK_SM90_FWD_Q_STAGES64, FLASHMASK_SM90_FWD_PRODUCER_REGS64}
+                                    FLASHMASK_SM90_FWD_Q_STAGES64, FLASHMASK_SM90_FWD_PRODUCER_REGS64,
+                                    FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160}
                           // a second Q buffer does not fit at head dim 128
-                          : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128};
+                          : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128, 240};
+}
+// Whether the forward's setmaxnreg split fits its CTA at this head dim (FwdTraits asserts it;
+// tests/test_tile_config.py checks the switch combinations on the CPU).
+constexpr bool fwd_registers_fit(int head_dim) {
+    const FwdTile t = fwd_tile(head_dim);
+    return setmaxnreg_fits(128 * (t.consumer_warpgroups + 1), t.producer_registers, 128 * t.consumer_warpgroups,
+                           t.consumer_registers);
 }
 
 // Backward: a CTA owns BlockN keys (64 per consumer warpgroup) and walks query blocks of BlockM rows,

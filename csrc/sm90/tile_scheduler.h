@@ -43,11 +43,13 @@ struct FwdSlot {
 struct JobHandOver {
     FwdSlot slot;
     int n_top;  // the job's highest visible key block, -1: none
+    uint32_t take_phase;  // the load warp's phase of `full`, kept here: its registers are few
     uint64_t full, empty;
 
     __device__ void init() {  // one thread, before the CTA's first __syncthreads
         cutlass::arch::ClusterBarrier::init(&full, 1);
         cutlass::arch::ClusterBarrier::init(&empty, 1);
+        take_phase = 0;
     }
     // Decode warp, before it draws each job: waits until the load warp has taken the one before,
     // so that a CTA holds at most one job it has not started (a job drawn earlier could wait there
@@ -70,15 +72,19 @@ struct JobHandOver {
         }
         __syncwarp();
     }
-    // Load warp: the next job and its top block; phase starts at 0.
-    __device__ FwdSlot take(int& top, uint32_t& phase) {
+    // Load warp: the next job and its top block.
+    __device__ FwdSlot take(int& top) {
+        volatile JobHandOver& h = *this;
+        const uint32_t phase = h.take_phase;
         cutlass::arch::ClusterBarrier::wait(&full, phase);
-        phase ^= 1;
-        const volatile JobHandOver& h = *this;
         const FwdSlot next{h.slot.x, {h.slot.job.m_block, h.slot.job.h, h.slot.job.b}, h.slot.visible};
         top = h.n_top;
-        __syncwarp();  // every lane has read the slot before it is freed
-        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&empty);
+        __syncwarp();  // every lane has read the slot and the phase before they change
+        if (threadIdx.x % 32 == 0) {
+            h.take_phase = phase ^ 1;
+            cutlass::arch::ClusterBarrier::arrive(&empty);
+        }
+        __syncwarp();
         return next;
     }
 };

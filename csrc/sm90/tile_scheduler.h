@@ -36,10 +36,22 @@ struct FwdSlot {
     int visible;
 };
 
+// A slot goes between warps through shared memory field by field, volatile: CUTLASS's named
+// barriers and mbarrier waits carry no memory clobber, so plain accesses could move across them.
+__device__ __forceinline__ void store_slot(volatile FwdSlot& to, const FwdSlot& s) {
+    to.x = s.x;
+    to.job.m_block = s.job.m_block;
+    to.job.h = s.job.h;
+    to.job.b = s.job.b;
+    to.visible = s.visible;
+}
+__device__ __forceinline__ FwdSlot load_slot(const volatile FwdSlot& from) {
+    return {from.x, {from.job.m_block, from.job.h, from.job.b}, from.visible};
+}
+
 // FWD_DECODE_WARP (tile_config.h): the producer's decode warp draws and decodes each job one ahead
 // of its load warp and passes it on through a one-job slot guarded by two mbarriers of one
-// arrival each: `full` (a job is in) and `empty` (the load warp has read it). The slot is read
-// and written through volatile: CUTLASS's mbarrier wait and arrive carry no memory clobber.
+// arrival each: `full` (a job is in) and `empty` (the load warp has read it).
 struct JobHandOver {
     FwdSlot slot;
     int n_top;  // the job's highest visible key block, -1: none
@@ -62,11 +74,7 @@ struct JobHandOver {
     __device__ void put(const FwdSlot& next, int top) {
         if (threadIdx.x % 32 == 0) {
             volatile JobHandOver& h = *this;
-            h.slot.x = next.x;
-            h.slot.job.m_block = next.job.m_block;
-            h.slot.job.h = next.job.h;
-            h.slot.job.b = next.job.b;
-            h.slot.visible = next.visible;
+            store_slot(h.slot, next);
             h.n_top = top;
             cutlass::arch::ClusterBarrier::arrive(&full);  // releases the writes above (.release.cta)
         }
@@ -77,7 +85,7 @@ struct JobHandOver {
         volatile JobHandOver& h = *this;
         const uint32_t phase = h.take_phase;
         cutlass::arch::ClusterBarrier::wait(&full, phase);
-        const FwdSlot next{h.slot.x, {h.slot.job.m_block, h.slot.job.h, h.slot.job.b}, h.slot.visible};
+        const FwdSlot next = load_slot(h.slot);
         top = h.n_top;
         __syncwarp();  // every lane has read the slot and the phase before they change
         if (threadIdx.x % 32 == 0) {
@@ -123,14 +131,7 @@ struct FwdScheduler {
     // consumers have read the previous one.
     __device__ void publish(const FwdSlot& next, FwdSlot& slot, bool after_first) const {
         if (after_first) cutlass::arch::NamedBarrier::sync(kEmptyThreads, Barriers::kJobEmpty);
-        if (threadIdx.x % 32 == 0) {  // volatile: CUTLASS's named barriers carry no memory clobber
-            volatile FwdSlot& s = slot;
-            s.x = next.x;
-            s.job.m_block = next.job.m_block;
-            s.job.h = next.job.h;
-            s.job.b = next.job.b;
-            s.visible = next.visible;
-        }
+        if (threadIdx.x % 32 == 0) store_slot(slot, next);
         for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, Barriers::job_full(wg));
     }
 
@@ -139,8 +140,7 @@ struct FwdScheduler {
     // pending at exit).
     __device__ FwdSlot take_next(const FwdSlot& slot, int consumer_warpgroup) const {
         cutlass::arch::NamedBarrier::sync(kFullThreads, Barriers::job_full(consumer_warpgroup));
-        const volatile FwdSlot& s = slot;
-        const FwdSlot next{s.x, {s.job.m_block, s.job.h, s.job.b}, s.visible};
+        const FwdSlot next = load_slot(slot);
         if (valid(next.x)) cutlass::arch::NamedBarrier::arrive(kEmptyThreads, Barriers::kJobEmpty);
         return next;
     }

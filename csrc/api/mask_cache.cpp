@@ -173,10 +173,12 @@ at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int sq, 
     return at::where(long_walks, launch_order(few), launch_order(hq));
 }
 
+// Whether a launch's jobs are the backward's key blocks, which take no forward tile order.
+bool key_block_jobs(Jobs jobs) { return jobs == Jobs::key_blocks || jobs == Jobs::key_blocks_in_turn; }
+
 // Fills what `m` lacks; returns whether anything was computed.
 bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq,
               Jobs jobs, cudaStream_t stream) {
-    const bool key_blocks = jobs == Jobs::key_blocks || jobs == Jobs::key_blocks_in_turn;
     bool computed = false;
     if (!m.mask.defined()) m.mask = user_mask.contiguous();
     if (!m.bounds.defined()) {
@@ -184,10 +186,10 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
         computed = true;
     }
     const bool want_jobs = block_m > 0 && jobs != Jobs::none && !m.jobs.defined();
-    const bool want_order = block_m > 0 && !key_blocks && !m.order.defined();
+    const bool want_order = block_m > 0 && !key_block_jobs(jobs) && !m.order.defined();
     if (want_order || want_jobs) {
         const auto [work, floor] =
-            compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_blocks, stream);
+            compute_work(m.bounds, causal, sq, m.mask.size(2), block_m, block_n, key_block_jobs(jobs), stream);
         if (want_order) {
             m.order = compute_order(work);
             m.floor = floor;
@@ -206,7 +208,7 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
 MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq, Jobs jobs,
                        cudaStream_t stream) {
     const auto jobs_key = std::make_tuple(block_m, block_n, hq, jobs);
-    const bool want_order = block_m > 0 && jobs != Jobs::key_blocks && jobs != Jobs::key_blocks_in_turn;
+    const bool want_order = block_m > 0 && !key_block_jobs(jobs);
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.

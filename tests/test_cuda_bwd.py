@@ -34,6 +34,22 @@ def grads(fn, q, k, v, dout, dlse=None):
     return torch.autograd.grad(loss, leaves)
 
 
+def assert_deterministic_matches_atomic(q, k, v, mask, causal):
+    """Two deterministic backwards are bitwise equal, and equal to the atomic one up to the order of
+    the fp32 additions."""
+    dout = torch.randn_like(q)
+
+    def run(deterministic):
+        return grads(lambda a, b, c: flashmask.flashmask_attention(
+            a, b, c, mask, causal=causal, return_lse=True, backend=cuda_cases.BACKEND,
+            deterministic=deterministic), q, k, v, dout)
+
+    first, second, atomic = run(True), run(True), run(False)
+    for a, b, c in zip(first, second, atomic):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.float(), c.float(), atol=2e-2, rtol=2e-2)
+
+
 def check_backward(q, k, v, mask, causal, dlse=False, deterministic=False, scale=None, dout=None):
     cuda_cases.skip_unless_backend_serves(q)
     dout = torch.randn_like(q) if dout is None else dout
@@ -213,41 +229,21 @@ def test_deterministic_across_waves_of_ctas():
     q, k, v = make_qkv(1, 8192, 8192, 8, 4, d, DTYPES[-1])
     cuda_cases.skip_unless_backend_serves(q)
     mask, causal = example("causal_document", 8192, device="cuda")
-    dout = torch.randn_like(q)
-
-    def run(deterministic):
-        return grads(lambda a, b, c: flashmask.flashmask_attention(
-            a, b, c, mask, causal=causal, return_lse=True, backend=cuda_cases.BACKEND,
-            deterministic=deterministic), q, k, v, dout)
-
-    first, second, atomic = run(True), run(True), run(False)
-    for a, b, c in zip(first, second, atomic):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a.float(), c.float(), atol=2e-2, rtol=2e-2)
+    assert_deterministic_matches_atomic(q, k, v, mask, causal)
 
 
 @pytest.mark.parametrize("family", ["full", "global_sliding_window", "causal_document"])
 def test_deterministic_long_keys_job_list(family):
-    """From 65536 keys the SM90 deterministic backward takes its jobs from a list whose head grouping
-    the mask decides on the device (long walks: few heads at a time; short ones: all heads): each
-    head's key blocks must still start in ascending order, or a dQ turn would wait for a job not yet
-    drawn. Bitwise equal across runs, equal to the atomic backward up to the order of the fp32
-    additions, off the tiles and with GQA."""
+    """From 32768 keys (kTurnListKeys) the SM90 deterministic backward takes its jobs from a list
+    whose head grouping the mask decides on the device (long walks: few heads at a time; short ones:
+    all heads): each head's key blocks must still start in ascending order, or a dQ turn would wait
+    for a job not yet drawn. Bitwise equal across runs, equal to the atomic backward up to the order
+    of the fp32 additions, off the tiles and with GQA."""
     s = 65536 + 77
     q, k, v = make_qkv(1, s, s, 8, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
     cuda_cases.skip_unless_backend_serves(q)
     mask, causal = example(family, s, device="cuda")
-    dout = torch.randn_like(q)
-
-    def run(deterministic):
-        return grads(lambda a, b, c: flashmask.flashmask_attention(
-            a, b, c, mask, causal=causal, return_lse=True, backend=cuda_cases.BACKEND,
-            deterministic=deterministic), q, k, v, dout)
-
-    first, second, atomic = run(True), run(True), run(False)
-    for a, b, c in zip(first, second, atomic):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a.float(), c.float(), atol=2e-2, rtol=2e-2)
+    assert_deterministic_matches_atomic(q, k, v, mask, causal)
 
 
 def test_torch_compile_fullgraph():

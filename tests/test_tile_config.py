@@ -41,7 +41,7 @@ def fits(tmp_path, switches):
 
 
 @pytest.mark.parametrize("switches", [{}, {"FWD_WG64": 2}, {"FWD_WG64": 2, "FWD_Q_STAGES64": 1},
-                                      {"FWD_DECODE_WARP": 1}, {"FWD_PRODUCER_REGS64": 24}])
+                                      {"FWD_DECODE_WARP_KEYS128": 32768}, {"FWD_PRODUCER_REGS64": 24}])
 def test_switch_combinations_fit(tmp_path, switches):
     assert fits(tmp_path, switches)
 

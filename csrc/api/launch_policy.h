@@ -44,6 +44,15 @@ inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     return g;
 }
 
+// Whether the SM90 forward runs its build with a decode warp (sm90/tile_config.h,
+// FWD_DECODE_WARP_KEYS): from `keys` keys, never where `keys` is 0 (not built).
+// FLASHMASK_SM90_DECODE_WARP=0 or 1 forces the choice where it is built (tests, tuning).
+inline bool use_decode_warp(int sk, int keys) {
+    if (keys <= 0) return false;
+    if (const char* env = std::getenv("FLASHMASK_SM90_DECODE_WARP")) return std::atoi(env) != 0;
+    return sk >= keys;
+}
+
 // The SM90 deterministic backward's job list in turn (Jobs::key_blocks_in_turn): from this many
 // keys, heads whose key blocks see on average at least 1 / kTurnDenseShare of the query rows are
 // interleaved kTurnFewHeads at a time (their walks are long: fewer heads in flight keep their Q,

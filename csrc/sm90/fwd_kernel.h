@@ -70,7 +70,8 @@ struct TileJob {
     }
 };
 
-template <typename Traits, bool Is_causal, int kMaskC, typename Args>
+// kDecodeWarp: a second producer warp draws and decodes each job one ahead (FWD_DECODE_WARP_KEYS).
+template <typename Traits, bool Is_causal, int kMaskC, typename Args, bool kDecodeWarp>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool Has_mask = kMaskC > 0;
@@ -87,7 +88,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE && !Barriers::kPingpong;
     constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
     constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
-    constexpr bool kDecodeWarp = FLASHMASK_SM90_FWD_DECODE_WARP != 0;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];

@@ -93,9 +93,7 @@ struct FwdTraits {
         typename PipelineQ::SharedStorage pipeline_q;
         typename Pipeline::SharedStorage pipeline_k;
         typename Pipeline::SharedStorage pipeline_v;
-#if FLASHMASK_SM90_FWD_DECODE_WARP
-        JobHandOver hand_over;  // from the producer's decode warp to its load warp (tile_config.h)
-#endif
+        JobHandOver hand_over;  // from the producer's decode warp to its load warp, where it runs
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 SM has for one block");

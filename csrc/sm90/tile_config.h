@@ -8,6 +8,7 @@ namespace flashmask::sm90 {
 // of a window's few blocks otherwise waits for its Q after the last S of the one before).
 struct FwdTile {
     int block_m, block_n, consumer_warpgroups, stages, q_stages, producer_registers, consumer_registers;
+    int decode_warp_keys;  // FWD_DECODE_WARP_KEYS: from this Sk the build with a decode warp, 0: none
 };
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
@@ -57,15 +58,23 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS128
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS128 24
 #endif
-// FWD_DECODE_WARP=1: a second producer warp draws and decodes each job (the atomic draw, the job
-// list, the tile floor, the top block's bounds: dependent global loads) while the load warp still
-// issues the loads of the job before, and hands it over through shared memory
-// (tile_scheduler.h, JobHandOver). Off by default: prepared in version 40, not yet run on a GPU.
-// Why: ncu on sliding window 32K at D=64 (version 40) sampled the consumers waiting at a job's
-// start, for its Q and then its first K, at about 10% of all stall samples; the load warp draws
-// and decodes the next job only after the last K of the current one is issued.
-#ifndef FLASHMASK_SM90_FWD_DECODE_WARP
-#define FLASHMASK_SM90_FWD_DECODE_WARP 0
+// FWD_DECODE_WARP_KEYS64 / 128: from this many keys (0: never, and not built) the forward runs with a
+// second producer warp that draws and decodes each job (the atomic draw, the job list, the tile
+// floor, the top block's bounds: dependent global loads) while the load warp still issues the loads
+// of the job before, and hands it over through shared memory (tile_scheduler.h, JobHandOver). ncu on
+// sliding window 32K at D=64 (version 40) had sampled the consumers waiting at each job's start,
+// for its Q and then its first K, at about 10% of all stall samples. H100, D=64, the same build
+// with and without it, two passes each (version 41): at 128K global + sliding window +10% and
+// sliding window +2-3%, the other families -1.5% to +0%; at 32K sliding window +1%, causal document
+// and causal blockwise -2%; at 8K nothing gained and causal -6% (its load warp spills more, and a
+// CTA holds a job drawn a whole job early while the last wave drains; drawing only near the job's
+// end lost the gains). At D=128 2-5% slower on most families. The launch decides by Sk;
+// FLASHMASK_SM90_DECODE_WARP=0/1 in the environment forces the choice where it is built (tests).
+#ifndef FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64
+#define FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64 65536
+#endif
+#ifndef FLASHMASK_SM90_FWD_DECODE_WARP_KEYS128
+#define FLASHMASK_SM90_FWD_DECODE_WARP_KEYS128 0
 #endif
 // Two Q buffers at head dim 64 (head dim 128 has no room): sliding window +3-6% alone, +2-5% on top
 // of FWD_WG_SKIP (versions 36 and 34).
@@ -83,9 +92,10 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
 constexpr FwdTile fwd_tile(int head_dim) {
     return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,
                                     FLASHMASK_SM90_FWD_Q_STAGES64, FLASHMASK_SM90_FWD_PRODUCER_REGS64,
-                                    FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160}
+                                    FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160, FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64}
                           // a second Q buffer does not fit at head dim 128
-                          : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128, 240};
+                          : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128, 240,
+                                    FLASHMASK_SM90_FWD_DECODE_WARP_KEYS128};
 }
 // Whether the forward's setmaxnreg split fits its CTA at this head dim (FwdTraits asserts it;
 // tests/test_tile_config.py checks the switch combinations on the CPU).

@@ -101,3 +101,10 @@ def test_launch_choice(monkeypatch, sk, env, expected):
     builds, (out, lse) = decode_warp_builds(lambda: run_kernel(q, k, v, mask, False))
     assert builds == {expected}
     assert_close_to_reference(out, lse, q, k, v, mask, False)
+
+
+def test_bad_environment_value(monkeypatch):
+    monkeypatch.setenv("FLASHMASK_SM90_DECODE_WARP", "yes")
+    q, k, v = make_qkv(1, 64, 64, 2, 1, D, DTYPES[-1])
+    with pytest.raises(RuntimeError, match="FLASHMASK_SM90_DECODE_WARP must be 0 or 1, got 'yes'"):
+        run_kernel(q, k, v, None, True)

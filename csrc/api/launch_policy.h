@@ -1,10 +1,12 @@
-// Host-side launch choices of the binding: split-KV and the head grouping of the launch order.
+// Host-side launch choices of the binding: split-KV, the head grouping of the launch order and the
+// SM90 forward's decode warp.
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 namespace flashmask {
 
@@ -49,7 +51,12 @@ inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
 // FLASHMASK_SM90_DECODE_WARP=0 or 1 forces the choice where it is built (tests, tuning).
 inline bool use_decode_warp(int sk, int keys) {
     if (keys <= 0) return false;
-    if (const char* env = std::getenv("FLASHMASK_SM90_DECODE_WARP")) return std::atoi(env) != 0;
+    if (const char* env = std::getenv("FLASHMASK_SM90_DECODE_WARP")) {
+        const std::string value(env);
+        TORCH_CHECK(value == "0" || value == "1", "flashmask: FLASHMASK_SM90_DECODE_WARP must be 0 or 1, got '",
+                    value, "'");
+        return value == "1";
+    }
     return sk >= keys;
 }
 

@@ -2,7 +2,10 @@
 kernels: registers, spills, whether wgmma is serialised (ptxas advisory C7518), and how many runtime
 traps ptxas put in each kernel's SASS (BPT.TRAP, counted with cuobjdump where it is found): version 36's
 head dim 128 forward carried 90, guards ptxas added once the producer's loads sat in a lambda, and ran
-6-10% slower for them, with no advisory in the ptxas log.
+6-10% slower for them, with no advisory in the ptxas log. Also the functions the compiler left out of
+line (counted by their returns, RET.REL): a lambda of the forward's consumers taken out of the head dim
+128, C=4 kernel reached its captures and the staged mask columns through generic pointers and ran 12x
+slower (version 42's row-sum build, docs/perf_notes.md).
 
 A serialised wgmma costs a Hopper kernel more than most changes gain: the tried per-warpgroup skip
 of the SM90 forward (branch sm90-fwd-wg-skip, docs/perf_notes.md) issued wgmma on a path ptxas took
@@ -14,8 +17,9 @@ kernel change before spending GPU time on it:
     python scripts/compile_check.py --arch sm90 --source csrc/common/bwd_dsum.cu
 
 Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
-without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised (or spills,
-with --fail-on-spills: some head dim 64 forward variants on main spill a few bytes).
+without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised, traps or
+out-of-line functions (or spills, with --fail-on-spills: some head dim 64 forward variants on main
+spill a few bytes).
 """
 import argparse
 import glob
@@ -27,7 +31,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(HERE, "csrc")
@@ -60,8 +64,11 @@ def parse_ptxas(log: str) -> Dict[str, dict]:
     return kernels
 
 
-def parse_traps(sass: str) -> Dict[str, int]:
-    """Per kernel (mangled name) in `cuobjdump -sass` output: its BPT.TRAP instructions."""
+def parse_traps(sass: str, instruction: str = "BPT.TRAP") -> Dict[str, int]:
+    """Per kernel (mangled name) in `cuobjdump -sass` output: how many of its instructions are
+    `instruction` (BPT.TRAP: runtime traps; RET.REL: returns, which only a function the compiler left
+    out of line has; a CALL.REL to the next instruction, with no return, is ptxas's own reconvergence
+    idiom around shuffles)."""
     traps: Dict[str, int] = {}
     current = None
     for line in sass.splitlines():
@@ -69,18 +76,21 @@ def parse_traps(sass: str) -> Dict[str, int]:
         if m:
             current = m.group(1)
             traps.setdefault(current, 0)
-        elif current is not None and "BPT.TRAP" in line:
+        elif current is not None and instruction in line:
             traps[current] += 1
     return traps
 
 
-def count_traps(obj: str) -> Dict[str, int]:
-    """parse_traps of an object file, or {} where no cuobjdump is found."""
+def count_traps(obj: str) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """parse_traps of an object file for its traps and its out-of-line functions' returns, or ({}, {})
+    where no cuobjdump is found."""
     tool = shutil.which("cuobjdump")
     if tool is None:
-        return {}
+        return {}, {}
     run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
-    return parse_traps(run.stdout) if run.returncode == 0 else {}
+    if run.returncode != 0:
+        return {}, {}
+    return parse_traps(run.stdout), parse_traps(run.stdout, "RET.REL")
 
 
 def cxx_standard() -> str:
@@ -146,23 +156,24 @@ def main() -> int:
         cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard())
         print(f"compiling {os.path.basename(unit)} {' '.join('-D' + d for d in args.defines)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
-        traps = count_traps(out) if run.returncode == 0 else {}
+        traps, calls = count_traps(out) if run.returncode == 0 else ({}, {})
     if run.returncode != 0:
         print(run.stderr[:3000], file=sys.stderr)  # the first errors explain the rest
         return run.returncode
     kernels = parse_ptxas(run.stdout + run.stderr)
     names = _demangle(list(kernels))
     bad = False
-    print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s} {'traps':>5s}  kernel")
+    # calls: returns of functions left out of line
+    print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s} {'traps':>5s} {'calls':>5s}  kernel")
     for (mangled, k), name in zip(kernels.items(), names):
         spills = k["spill_stores"] + k["spill_loads"]
-        n_traps = traps.get(mangled)
-        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps)
+        n_traps, n_calls = traps.get(mangled), calls.get(mangled)
+        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps) or bool(n_calls)
         print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
-              f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s} {'-' if n_traps is None else n_traps:>5}  "
-              f"{name[:160]}")
+              f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s} {'-' if n_traps is None else n_traps:>5} "
+              f"{'-' if n_calls is None else n_calls:>5}  {name[:160]}")
     if not traps:
-        print("(no cuobjdump on PATH: traps not counted)")
+        print("(no cuobjdump on PATH: traps and calls not counted)")
     return 1 if bad else 0
 
 

@@ -28,19 +28,24 @@ def test_parse_ptxas():
     assert got["_Z6kernelILb1EEvv"] == dict(registers=128, spill_stores=48, spill_loads=72, wgmma_serialized=True)
 
 
-# The shape of `cuobjdump -sass`: a kernel with two traps, one without.
+# The shape of `cuobjdump -sass`: a kernel with two traps and ptxas's call to the next instruction (no
+# return), one with a call into a function left out of line (its return).
 SASS = """\
 \t\tFunction : _Z6kernelILb1EEvv
         /*0d90*/              @!P5 BRA 0xdb0 ;                       /* 0x0000000000 */
         /*0da0*/                   BPT.TRAP 0x1 ;                    /* 0x000000040000795c */
         /*0e00*/                   BPT.TRAP 0x1 ;                    /* 0x000000040000795c */
+        /*0e10*/              @!P1 CALL.REL.NOINC 0xe20 ;            /* 0x0000001000009944 */
 \t\tFunction : _Z6kernelILb0EEvv
-        /*0010*/                   EXIT ;                            /* 0x000000000000794d */
+        /*0010*/                   CALL.REL.NOINC 0x236c0 ;          /* 0x0000020000307944 */
+        /*0020*/                   EXIT ;                            /* 0x000000000000794d */
+        /*0030*/                   RET.REL.NODEC R24 0x0 ;           /* 0xfffffc2418dc7950 */
 """
 
 
 def test_parse_traps():
     assert compile_check.parse_traps(SASS) == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
+    assert compile_check.parse_traps(SASS, "RET.REL") == {"_Z6kernelILb1EEvv": 0, "_Z6kernelILb0EEvv": 1}
     assert compile_check.parse_traps("") == {}
 
 

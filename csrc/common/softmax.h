@@ -19,6 +19,17 @@ __forceinline__ __device__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Lazy rescaling: a row keeps its running max while a block's max exceeds it by at most this much in
+// the base-2 exponent, so that exp(S - max) stays below 2^8 (well inside fp16 and bf16 P and fp32
+// sums), and O is rescaled only where some row of the warp took a new max: after the first few
+// blocks of a row, seldom (FlashAttention-4 skips the rescale on Blackwell in the same way). H100,
+// SM90 forward, head dim 64, two passes: full 128K 495 -> 526 TFLOP/s, prefix-LM causal 32K
+// 493 -> 541-556, qk-sparse 32K 509 -> 542, the window and eviction families and head dim 128
+// within the runs' drift (docs/perf_notes.md, version 42). 0: a new max is taken whenever it rises.
+#ifndef FLASHMASK_SOFTMAX_RESCALE_SLACK
+#define FLASHMASK_SOFTMAX_RESCALE_SLACK 8
+#endif
+
 template <int kRows>
 struct OnlineSoftmax {
     float row_max[kRows];
@@ -37,20 +48,25 @@ struct OnlineSoftmax {
     template <typename S, typename O>
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
         float correction[kRows];
-        update_scores(s, scale_log2, correction);
-        rescale(o, correction);
+        if (update_scores(s, scale_log2, correction)) rescale(o, correction);
     }
 
     // update() in two steps, for a caller whose output accumulator an asynchronous GEMM is still
     // writing: exponentiate s and keep each row's rescale factor, then rescale o once it is free.
+    // Returns whether o needs the rescale, the same in every lane of the warp.
     template <typename S>
-    __forceinline__ __device__ void update_scores(S& s, float scale_log2, float (&correction)[kRows]) {
+    __forceinline__ __device__ bool update_scores(S& s, float scale_log2, float (&correction)[kRows]) {
+        bool moved = false;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
             float m = row_max[mi];
             CUTE_UNROLL
             for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
             m = quad_max(m);
+            if (row_max[mi] != -INFINITY && (m - row_max[mi]) * scale_log2 <= float(FLASHMASK_SOFTMAX_RESCALE_SLACK)) {
+                m = row_max[mi];
+            }
+            moved |= m != row_max[mi];
             // A row with nothing visible yet keeps max -inf; offset 0 keeps exp2(-inf - 0) = 0, not NaN.
             const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
             correction[mi] = exp2f(row_max[mi] * scale_log2 - m_scaled);
@@ -63,6 +79,7 @@ struct OnlineSoftmax {
             }
             row_sum[mi] = row_sum[mi] * correction[mi] + sum;
         }
+        return __any_sync(0xffffffffu, moved);
     }
 
     template <typename O>

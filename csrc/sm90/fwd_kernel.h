@@ -282,14 +282,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         clear(acc_o);
         OnlineSoftmax<kRows> softmax;
 
-        // The first block alone, then each next block's S = Q K^T runs on the tensor cores while
-        // this warpgroup waits for nothing: it is issued together with the previous block's
-        // O += P V, and the softmax of the new S runs while that P V is still in flight (O is
-        // rescaled after it).
+        // The first block alone, then each next block's S = Q K^T is issued together with the
+        // previous block's O += P V, one batch for the tensor cores. The source waits for that
+        // P V only after the new S's softmax, but ptxas moves the wait up to the top of its basic
+        // block (in SASS the softmax follows both waits, every forward kernel); held below the
+        // softmax it ran 10-15% slower (docs/perf_notes.md, version 42). Another warpgroup's
+        // GEMMs run under this one's softmax.
         Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
         Tensor rP = make_tensor<Element>(acc_s.layout());
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         float correction[kRows];
+        bool rescale = true;  // whether a row's max moved: O needs the correction
         // exp(S - max) of a block, masked where its ticket says, and the rescale factors of O; then P.
         auto softmax_of = [&](const Ticket& ticket, int slot) {
             Tensor s_rc = rowcol(acc_s);
@@ -299,7 +302,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot],
                     ticket.tight());
             }
-            softmax.update_scores(s_rc, p.scale_log2, correction);
+            rescale = softmax.update_scores(s_rc, p.scale_log2, correction);
         };
         auto store_p = [&]() {
             Tensor converted = convert_to<Element>(acc_s);
@@ -346,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             pipeline_k.consumer_release(state_k);
             ++state_k;
             softmax_of(ticket, slot);
-            if constexpr (kSkip) {  // O holds the runs before this one (without kSkip it is zero)
+            if (kSkip && rescale) {  // O holds the runs before this one (without kSkip it is zero)
                 Tensor o_rc = rowcol(acc_o);
                 softmax.rescale(o_rc, correction);
             }
@@ -366,8 +369,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 warpgroup_wait<0>();
                 pipeline_v.consumer_release(state_v);  // also frees the last block's ring slot (fwd_traits.h)
                 ++state_v;
-                Tensor o_rc = rowcol(acc_o);
-                softmax.rescale(o_rc, correction);
+                if (rescale) {
+                    Tensor o_rc = rowcol(acc_o);
+                    softmax.rescale(o_rc, correction);
+                }
                 store_p();
             }
             // Every S of this job is in: the producer may load the next job's Q.

@@ -18,8 +18,8 @@ kernel change before spending GPU time on it:
 
 Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
 without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised, traps or
-out-of-line functions (or spills, with --fail-on-spills: some head dim 64 forward variants on main
-spill a few bytes).
+(an attention kernel) out-of-line functions, or spills with --fail-on-spills: some head dim 64
+forward variants on main spill a few bytes.
 """
 import argparse
 import glob
@@ -168,7 +168,9 @@ def main() -> int:
     for (mangled, k), name in zip(kernels.items(), names):
         spills = k["spill_stores"] + k["spill_loads"]
         n_traps, n_calls = traps.get(mangled), calls.get(mangled)
-        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps) or bool(n_calls)
+        # The hand-written row kernels (--source) call ptxas's 64-bit integer division routines.
+        outlined = bool(n_calls) and args.source is None
+        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps) or outlined
         print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
               f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s} {'-' if n_traps is None else n_traps:>5} "
               f"{'-' if n_calls is None else n_calls:>5}  {name[:160]}")

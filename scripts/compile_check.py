@@ -64,33 +64,33 @@ def parse_ptxas(log: str) -> Dict[str, dict]:
     return kernels
 
 
-def parse_traps(sass: str, instruction: str = "BPT.TRAP") -> Dict[str, int]:
+def count_per_kernel(sass: str, instruction: str) -> Dict[str, int]:
     """Per kernel (mangled name) in `cuobjdump -sass` output: how many of its instructions are
     `instruction` (BPT.TRAP: runtime traps; RET.REL: returns, which only a function the compiler left
     out of line has; a CALL.REL to the next instruction, with no return, is ptxas's own reconvergence
     idiom around shuffles)."""
-    traps: Dict[str, int] = {}
+    counts: Dict[str, int] = {}
     current = None
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
             current = m.group(1)
-            traps.setdefault(current, 0)
+            counts.setdefault(current, 0)
         elif current is not None and instruction in line:
-            traps[current] += 1
-    return traps
+            counts[current] += 1
+    return counts
 
 
-def count_traps(obj: str) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """parse_traps of an object file for its traps and its out-of-line functions' returns, or ({}, {})
-    where no cuobjdump is found."""
+def traps_and_outlined(obj: str) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """Per kernel of an object file, its traps and its out-of-line functions' returns
+    (count_per_kernel), or ({}, {}) where no cuobjdump is found."""
     tool = shutil.which("cuobjdump")
     if tool is None:
         return {}, {}
     run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
     if run.returncode != 0:
         return {}, {}
-    return parse_traps(run.stdout), parse_traps(run.stdout, "RET.REL")
+    return count_per_kernel(run.stdout, "BPT.TRAP"), count_per_kernel(run.stdout, "RET.REL")
 
 
 def cxx_standard() -> str:
@@ -156,7 +156,7 @@ def main() -> int:
         cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard())
         print(f"compiling {os.path.basename(unit)} {' '.join('-D' + d for d in args.defines)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
-        traps, calls = count_traps(out) if run.returncode == 0 else ({}, {})
+        traps, outlined = traps_and_outlined(out) if run.returncode == 0 else ({}, {})
     if run.returncode != 0:
         print(run.stderr[:3000], file=sys.stderr)  # the first errors explain the rest
         return run.returncode
@@ -167,10 +167,10 @@ def main() -> int:
     print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s} {'traps':>5s} {'calls':>5s}  kernel")
     for (mangled, k), name in zip(kernels.items(), names):
         spills = k["spill_stores"] + k["spill_loads"]
-        n_traps, n_calls = traps.get(mangled), calls.get(mangled)
+        n_traps, n_calls = traps.get(mangled), outlined.get(mangled)
         # The hand-written row kernels (--source) call ptxas's 64-bit integer division routines.
-        outlined = bool(n_calls) and args.source is None
-        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps) or outlined
+        calls_fail = bool(n_calls) and args.source is None
+        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps) or calls_fail
         print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
               f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s} {'-' if n_traps is None else n_traps:>5} "
               f"{'-' if n_calls is None else n_calls:>5}  {name[:160]}")

@@ -43,10 +43,10 @@ SASS = """\
 """
 
 
-def test_parse_traps():
-    assert compile_check.parse_traps(SASS) == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
-    assert compile_check.parse_traps(SASS, "RET.REL") == {"_Z6kernelILb1EEvv": 0, "_Z6kernelILb0EEvv": 1}
-    assert compile_check.parse_traps("") == {}
+def test_count_per_kernel():
+    assert compile_check.count_per_kernel(SASS, "BPT.TRAP") == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
+    assert compile_check.count_per_kernel(SASS, "RET.REL") == {"_Z6kernelILb1EEvv": 0, "_Z6kernelILb0EEvv": 1}
+    assert compile_check.count_per_kernel("", "BPT.TRAP") == {}
 
 
 def test_nvcc_command():

@@ -39,8 +39,9 @@ import torch  # noqa: E402
 METHODS = ("flashmask", "flex", "sdpa_dense", "sdpa_flash", "sdpa_cudnn")  # the default set
 # Opt-in methods (only when named in --methods): flashmask with deterministic=True, whose forward is
 # the default one, so it has backward rows only; flashmask forced onto its SM80 kernels (on a Hopper
-# GPU "flashmask" runs the SM90 ones where they exist).
-EXTRA_METHODS = ("flashmask_det", "flashmask_sm80")
+# GPU "flashmask" runs the SM90 ones where they exist); FlexAttention's FLASH backend
+# (FlashAttention-4 on CuTe-DSL, where the `flash-attn-4` package is installed).
+EXTRA_METHODS = ("flashmask_det", "flashmask_sm80", "flex_flash")
 ALL_METHODS = METHODS + EXTRA_METHODS
 METHOD_SKIP_MODES = {"flashmask_det": ("fwd",)}
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -643,7 +644,7 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
             prep.notes.append("bwd via reference path (no kernel)")
         return prep
 
-    if method == "flex":
+    if method in ("flex", "flex_flash"):
         hm = p.startend.shape[1]
         mm = FLEX_MASK_MODS.get(p.startend, p.causal, sq, p.heads)
         bm_batch = None if p.startend.shape[0] == 1 else p.startend.shape[0]
@@ -656,9 +657,10 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         flex = compiled_flex_attention(opt.flex_compile)
 
         gqa = p.gqa
+        options = {"BACKEND": "FLASH"} if method == "flex_flash" else None
 
         def attn(q, k, v):
-            return _bhsd(flex(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm, enable_gqa=gqa))
+            return _bhsd(flex(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm, enable_gqa=gqa, kernel_options=options))
 
         prep = Prepared(attn, mask_bytes=block_mask_bytes(bm), build_ms=build_ms, state={"bm": bm})
         prep.notes.append(f"block mask {how} {build_ms:.0f} ms")

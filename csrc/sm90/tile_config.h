@@ -81,6 +81,17 @@ struct FwdTile {
 #ifndef FLASHMASK_SM90_FWD_Q_STAGES64
 #define FLASHMASK_SM90_FWD_Q_STAGES64 2
 #endif
+// K/V pipeline stages at head dim 64. With the per-warpgroup skip a job's three warpgroups work
+// up to two blocks apart (the top rows' warpgroup starts at the job's first block, the bottom
+// rows' one ends at its last), and a stage frees only once all three are done with it: with three
+// stages the warpgroup ahead waited for the next job's first K (ncu on sliding window 32K, version
+// 42: 6.7% of the stall samples there, 2.9% on its Q). Four (210 KB of shared memory with two Q
+// buffers): sliding window +4-5% at 8K and 32K, the other families within the runs' drift (H100,
+// two passes, docs/perf_notes.md version 43); in version 37, before the quarters, the lazy rescale
+// and 32 producer registers, four had lost 1-10%.
+#ifndef FLASHMASK_SM90_FWD_STAGES64
+#define FLASHMASK_SM90_FWD_STAGES64 4
+#endif
 // setmaxnreg moves registers within the CTA's allocation at launch: its threads times the count
 // ptxas gives each under __launch_bounds__(threads, 1), 65536 / threads down to a multiple of 8
 // (168 for 384 threads). Asking for more than that in all makes the consumers' setmaxnreg.inc wait
@@ -90,7 +101,7 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
     return 128 * producer_registers + consumer_threads * consumer_registers <= threads * (65536 / threads / 8 * 8);
 }
 constexpr FwdTile fwd_tile(int head_dim) {
-    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, 3,
+    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, FLASHMASK_SM90_FWD_STAGES64,
                                     FLASHMASK_SM90_FWD_Q_STAGES64, FLASHMASK_SM90_FWD_PRODUCER_REGS64,
                                     FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160, FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64}
                           // a second Q buffer does not fit at head dim 128

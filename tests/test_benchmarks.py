@@ -297,6 +297,28 @@ def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypa
     assert common.method_modes("flashmask_det", ["fwd"]) == [] and common.method_modes("flex", ["fwd"]) == ["fwd"]
 
 
+def test_flex_flash_asks_for_the_flash_backend(monkeypatch):
+    """flex_flash is flex with kernel_options BACKEND=FLASH (plain flex passes none), on the same
+    block mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+    seen = []
+
+    def spy(q, k, v, **kw):
+        seen.append((kw["kernel_options"], kw["block_mask"].shape))
+        return flex_attention(q, k, v, block_mask=kw["block_mask"], enable_gqa=kw["enable_gqa"])
+
+    monkeypatch.setattr(common, "compiled_flex_attention", lambda compile=True: spy)
+    mask, causal = example("sliding_window", 64)
+    p = common.Problem(mask, causal, 1, 2, 16, 64, torch.float32, torch.device("cpu"))
+    q, k, v, _ = common.make_inputs(1, 64, 2, 16, torch.float32, torch.device("cpu"))
+    q, k, v = q.detach(), k.detach(), v.detach()
+    opt = common.Options(flex_compile=False)
+    outs = [common.prepare_method(m, p, opt).attn(q, k, v) for m in ("flex", "flex_flash")]
+    assert [o for o, _ in seen] == [None, {"BACKEND": "FLASH"}] and seen[0][1] == seen[1][1]
+    torch.testing.assert_close(outs[0], outs[1])
+    assert "flex_flash" in common.EXTRA_METHODS and "flex_flash" not in common.METHODS
+
+
 def test_bench_kernels_gqa_on_cpu(tmp_path, capsys):
     """--kv-heads: every method gets k and v with fewer heads (Flex and SDPA through enable_gqa), the
     rows say so, and the methods agree on the output."""

@@ -85,8 +85,8 @@ struct FwdTile {
 // up to two blocks apart (the top rows' warpgroup starts at the job's first block, the bottom
 // rows' one ends at its last), and a stage frees only once all three are done with it: with three
 // stages the warpgroup ahead waited for the next job's first K (ncu on sliding window 32K, version
-// 42: 6.7% of the stall samples there, 2.9% on its Q). Four (210 KB of shared memory with two Q
-// buffers): sliding window +4-5% at 8K and 32K, the other families within the runs' drift (H100,
+// 42: 6.7% of the stall samples there, 2.9% on its Q). Four (212 KiB of shared memory with two Q
+// buffers, against 178): sliding window +4-5% at 8K and 32K, the other families within the runs' drift (H100,
 // two passes, docs/perf_notes.md version 43); in version 37, before the quarters, the lazy rescale
 // and 32 producer registers, four had lost 1-10%.
 #ifndef FLASHMASK_SM90_FWD_STAGES64

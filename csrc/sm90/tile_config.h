@@ -101,9 +101,10 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
     return 128 * producer_registers + consumer_threads * consumer_registers <= threads * (65536 / threads / 8 * 8);
 }
 constexpr FwdTile fwd_tile(int head_dim) {
-    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64, FLASHMASK_SM90_FWD_STAGES64,
-                                    FLASHMASK_SM90_FWD_Q_STAGES64, FLASHMASK_SM90_FWD_PRODUCER_REGS64,
-                                    FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160, FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64}
+    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64,
+                                    FLASHMASK_SM90_FWD_STAGES64, FLASHMASK_SM90_FWD_Q_STAGES64,
+                                    FLASHMASK_SM90_FWD_PRODUCER_REGS64, FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160,
+                                    FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64}
                           // a second Q buffer does not fit at head dim 128
                           : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128, 240,
                                     FLASHMASK_SM90_FWD_DECODE_WARP_KEYS128};

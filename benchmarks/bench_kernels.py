@@ -199,7 +199,8 @@ def _progress(i, total, r):
     else:
         res = f"{r['status']}"
     notes = f"  [{r['notes']}]" if r.get("notes") else ""
-    print(f"[{i:4d}/{total}] {what} {res}{notes}", flush=True)
+    # The wall clock lets a slow cell be matched with a clock or power log taken alongside (nvidia-smi -lms).
+    print(f"[{i:4d}/{total}] {time.strftime('%H:%M:%S')} {what} {res}{notes}", flush=True)
 
 
 def run(args) -> list:

@@ -50,14 +50,20 @@ def check_columns(num_columns: int, causal: bool) -> None:
             f"non-causal: LTS,UTE or LTS,LTE,UTS,UTE)")
 
 
-def unpack(startend_row_indices: torch.Tensor, causal: bool) -> Intervals:
-    """Split ``[B, Hm, Sk, C]`` into its named vectors for the given causal mode."""
+def _check_shape(startend_row_indices: torch.Tensor, causal: bool) -> int:
+    """Raise unless the tensor is ``[B, Hm, Sk, C]`` with a ``C`` this causal mode allows; returns ``C``."""
     if startend_row_indices.dim() != 4:
         raise ValueError(
             "startend_row_indices must have 4 dimensions [B, Hm, Sk, C], got shape "
             f"{tuple(startend_row_indices.shape)}")
     c = startend_row_indices.shape[-1]
     check_columns(c, causal)
+    return c
+
+
+def unpack(startend_row_indices: torch.Tensor, causal: bool) -> Intervals:
+    """Split ``[B, Hm, Sk, C]`` into its named vectors for the given causal mode."""
+    c = _check_shape(startend_row_indices, causal)
     cols = startend_row_indices.unbind(-1)
     if causal:
         return Intervals(cols[0], cols[1] if c == 2 else None, None, None)
@@ -125,21 +131,21 @@ def validate(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: Optiona
         raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
         raise ValueError(f"startend_row_indices must be torch.int32, got {t.dtype}")
-    iv = unpack(t, causal)
+    _check_shape(t, causal)  # not unpack: its views cost host time on every attention call
     b, hm, sk, _ = t.shape
     if batch_size is not None and b != batch_size:
         raise ValueError(f"startend_row_indices has batch {b} but the inputs have batch {batch_size}")
     if seqlen_k is not None and sk != seqlen_k:
         raise ValueError(f"startend_row_indices has Sk={sk} columns but the keys have length {seqlen_k}")
-    if num_heads_q is not None:
+    if num_heads_q is not None and hm not in (1, num_heads_q, num_heads_k):
         allowed_h = sorted({1, num_heads_q} | ({num_heads_k} if num_heads_k is not None else set()))
-        if hm not in allowed_h:
-            raise ValueError(
-                f"startend_row_indices has {hm} mask heads; it must be one of {allowed_h} "
-                f"(1, the number of key heads, or the number of query heads)")
+        raise ValueError(
+            f"startend_row_indices has {hm} mask heads; it must be one of {allowed_h} "
+            f"(1, the number of key heads, or the number of query heads)")
     if not check_values or t.numel() == 0:
         return
     sq = sk if seqlen_q is None else int(seqlen_q)
+    iv = unpack(t, causal)
     names = ("LTS", "LTE") if causal else (("LTS", "UTE") if t.shape[-1] == 2 else ("LTS", "LTE", "UTS", "UTE"))
     bad = (t < 0) | (t > sq)
     pairs = [(lo, hi, what) for lo, hi, what in ((iv.lts, iv.lte, "LTS <= LTE"), (iv.uts, iv.ute, "UTS <= UTE"))

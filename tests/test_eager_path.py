@@ -78,6 +78,20 @@ def test_no_grad_calls_only_the_forward(ext):
     assert ext.calls == ["fwd"] and out.grad_fn is None and lse.shape == (2, 4, 37)
 
 
+def test_calls_with_nothing_to_differentiate_skip_the_autograd_function(ext, monkeypatch):
+    q, k, v, mask = inputs()
+    applied = []
+    apply = _cuda._EagerAttention.apply
+    monkeypatch.setattr(_cuda._EagerAttention, "apply", lambda *args: applied.append(1) or apply(*args))
+    with torch.no_grad():
+        _cuda.attention(q, k, v, mask, True, 0.25, False)
+    out, _ = _cuda.attention(q.detach(), k.detach(), v.detach(), mask, True, 0.25, False)
+    assert applied == [] and out.grad_fn is None
+    out, _ = _cuda.attention(q.detach(), k, v.detach(), mask, True, 0.25, False)  # one input needs a gradient
+    assert applied == [1] and out.grad_fn is not None
+    assert ext.calls == ["fwd"] * 3
+
+
 def test_double_backward_raises(ext):
     q, k, v, mask = inputs()
     out, _ = _cuda.attention(q, k, v, mask, True, 0.25, False)

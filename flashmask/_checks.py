@@ -55,12 +55,14 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     d = q.shape[-1]
     if d > KERNEL_MAX_HEAD_DIM or d % 8 != 0:
         return f"the kernels take head dims that are multiples of 8 up to {KERNEL_MAX_HEAD_DIM}, got {d}"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            return f"the kernels need the last dimension of {name} contiguous (stride 1), got stride {t.stride(-1)}"
-        # (FakeTensors under torch.compile have no address; the binding checks it again at run time.)
-        if not torch.compiler.is_compiling() and t.data_ptr() % 16:
+    # (FakeTensors under torch.compile have no address; the binding checks it again at run time.)
+    check_address = not torch.compiler.is_compiling()
+    for name, t in (("q", q), ("k", k), ("v", v)):  # 4-D, by check_qkv; unrolled: this runs on every call
+        st, n = t.stride(), t.shape
+        if st[3] != 1:
+            return f"the kernels need the last dimension of {name} contiguous (stride 1), got stride {st[3]}"
+        if check_address and t.data_ptr() % 16:
             return f"the kernels need {name} to start at a 16-byte aligned address"
-        if any(st % 8 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-            return f"the kernels need the strides of {name} to be multiples of 8 elements (16-byte rows), got {t.stride()}"
+        if (n[0] > 1 and st[0] % 8) or (n[1] > 1 and st[1] % 8) or (n[2] > 1 and st[2] % 8):
+            return f"the kernels need the strides of {name} to be multiples of 8 elements (16-byte rows), got {st}"
     return None

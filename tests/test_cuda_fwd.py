@@ -192,6 +192,28 @@ def test_binding_errors_with_numbers_raise():
         _cuda._C.fwd(q, q, q, mask, True, 1.0, 0)
 
 
+def test_layouts_the_kernels_cannot_take_raise_or_fall_back():
+    """Each layout requirement flashmask_attention checks before a launch: backend="cuda" raises with
+    it, backend="auto" computes on the reference path."""
+    dtype, d = DTYPES[0], HEAD_DIMS[0]
+    k = torch.randn(1, 64, 2, d, device="cuda", dtype=dtype)
+    bad = {
+        r"last dimension of q contiguous \(stride 1\), got stride 2":
+            torch.randn(1, 64, d, 2, device="cuda", dtype=dtype).transpose(2, 3),
+        r"q to start at a 16-byte aligned address":
+            torch.randn(64 * 2 * d + 1, device="cuda", dtype=dtype)[1:].view(1, 64, 2, d),
+        r"strides of q to be multiples of 8 elements":
+            torch.randn(1, 64, 2, d + 4, device="cuda", dtype=dtype)[..., :d],
+    }
+    for why, q in bad.items():
+        with pytest.raises(RuntimeError, match=why):
+            flashmask.flashmask_attention(q, k, k, causal=True, backend="cuda")
+        out, lse = flashmask.flashmask_attention(q, k, k, causal=True, return_lse=True)
+        assert_close_to_reference(out, lse, q, k, k, None, True)
+    out, lse = flashmask.flashmask_attention(k, k, k, causal=True, return_lse=True, backend="cuda")  # the control
+    assert_close_to_reference(out, lse, k, k, k, None, True)
+
+
 def test_arch_selection():
     """backend="sm80" and FLASHMASK_ARCH=80 run the SM80 kernels on any GPU; an unknown family raises
     before any kernel runs; "cuda" takes the newest family the device runs."""

@@ -184,11 +184,11 @@ def plot_families(rows, out_dir: str):
 
 
 def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=None, build_ms=None, first=None,
-         notes=""):
+         host=None, notes=""):
     return {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "kv_heads": args.kv_heads,
             "batch": args.batch, "mode": mode,
             "method": method, "status": status, "density": density, "pairs": pairs, "ms": ms, "tflops": tflops,
-            "mask_build_ms": build_ms, "first_call_s": first, "notes": notes}
+            "mask_build_ms": build_ms, "first_call_s": first, "host_ms": host, "notes": notes}
 
 
 def _progress(i, total, r):
@@ -285,6 +285,7 @@ def run(args) -> list:
                 res = common.try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
                 add(_row(fam, s, d, args, mode, method, density, pairs, res["status"], ms=res.get("ms"),
                          tflops=res.get("tflops"), build_ms=prep.build_ms, first=res.get("first_call_s"),
+                         host=res.get("host_ms"),
                          notes=res["notes"]))
                 fatal = res["notes"] if res["fatal"] else None
                 if res["status"] != "ok":

@@ -50,7 +50,7 @@ FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 ROW_FIELDS = ("family", "seqlen", "head_dim", "heads", "kv_heads", "batch", "mode", "method", "status", "density",
-              "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "notes")
+              "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -793,9 +793,36 @@ def time_ms(fn: Callable, warmup_ms: float, rep_ms: float, device: torch.device)
     return _fallback_bench(fn, warmup_ms, rep_ms, device)
 
 
+# A call shorter than this may wait for its own launch path (tens of microseconds of Python and
+# driver): such cells also get their host time per call measured.
+HOST_CHECK_BELOW_MS = 2.0
+# At this share of the measured time the GPU is (nearly) waiting for the host: a host slowed down
+# for a moment then makes a whole cell slow (docs/perf_notes.md, version 43's measured row).
+HOST_BOUND_SHARE = 0.8
+
+
+def host_ms_per_call(fn: Callable, device: torch.device, calls: int = 20) -> float:
+    """Host time per call (ms) of ``calls`` calls issued back to back, their GPU work queued behind."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    _sync(device)
+    return host
+
+
+def host_bound_note(ms: float, host_ms: Optional[float]) -> str:
+    """A note for a cell whose launch path takes nearly as long as its measured call, else ""."""
+    if host_ms is None or host_ms < HOST_BOUND_SHARE * ms:
+        return ""
+    return f"host-bound? {host_ms:.3f} ms of host time a call against {ms:.3f} ms measured"
+
+
 def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float,
-             device: torch.device) -> Tuple[float, float]:
-    """``(median ms, first-call seconds)``; the first call (compilation, plans) is not in the median."""
+             device: torch.device) -> Tuple[float, float, Optional[float]]:
+    """``(median ms, first-call seconds, host ms per call)``; the first call (compilation, plans) is
+    not in the median; the host time only for CUDA calls shorter than HOST_CHECK_BELOW_MS (else None)."""
     q, k, v, dout = tensors
     _sync(device)
     t0 = time.perf_counter()
@@ -805,8 +832,9 @@ def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float
     _sync(device)
     first = time.perf_counter() - t0
     ms = time_ms(step, warmup_ms, rep_ms, device)
+    host = host_ms_per_call(step, device) if device.type == "cuda" and ms < HOST_CHECK_BELOW_MS else None
     del step
-    return ms, first
+    return ms, first, host
 
 
 def reset_peak(device: torch.device) -> Optional[int]:
@@ -842,15 +870,17 @@ def try_prepare(method: str, problem: Problem, opt: Options) -> Tuple[Optional[P
 
 def try_time(prep: Prepared, mode: str, tensors, pairs: int, head_dim: int, warmup_ms: float, rep_ms: float,
              device: torch.device) -> dict:
-    """Time one mode; never raises. Returns ``{"status", "ms", "tflops", "first_call_s", "notes", "fatal"}``."""
+    """Time one mode; never raises. Returns ``{"status", "ms", "tflops", "first_call_s", "host_ms",
+    "notes", "fatal"}``; a cell that may be bound by its launch path says so in its notes."""
     notes = [n for n in prep.notes if n]
     if mode != "fwd" and prep.no_backward:
         return {"status": "n/a", "notes": prep.no_backward, "fatal": False}
     try:
-        ms, first = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device)
+        ms, first, host = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device)
         tflops = attn_flops(pairs, head_dim, mode) / (ms * 1e-3) / 1e12
-        return {"status": "ok", "ms": ms, "tflops": tflops, "first_call_s": first, "notes": "; ".join(notes),
-                "fatal": False}
+        notes += [n for n in (host_bound_note(ms, host),) if n]
+        return {"status": "ok", "ms": ms, "tflops": tflops, "first_call_s": first, "host_ms": host,
+                "notes": "; ".join(notes), "fatal": False}
     except Exception as e:
         return {"status": status_of(e), "notes": "; ".join([*notes, format_error(e)]),
                 "fatal": is_fatal_cuda_error(e)}

@@ -404,3 +404,25 @@ def _c_tile(fn_name, head_dim):
 def test_tile_tables_mirror_the_kernels(head_dim):
     assert common.fwd_tile(head_dim) == _c_tile("fwd_tile", head_dim)
     assert common.bwd_tile(head_dim) == _c_tile("bwd_tile", head_dim)
+
+
+def test_host_bound_note_names_cells_whose_launch_path_is_as_long_as_the_call():
+    assert common.host_bound_note(0.100, None) == ""
+    assert common.host_bound_note(0.100, 0.060) == ""  # the GPU still runs ahead of the host
+    note = common.host_bound_note(0.288, 0.283)  # a slow host: the GPU waits for each launch
+    assert note == "host-bound? 0.283 ms of host time a call against 0.288 ms measured"
+    assert common.host_bound_note(0.100, 0.081).startswith("host-bound?")  # past the share (0.8)
+    assert common.host_bound_note(0.100, 0.079) == ""
+
+
+def test_host_ms_per_call_times_the_launches():
+    import time
+    assert common.host_ms_per_call(lambda: time.sleep(0.002), torch.device("cpu"), calls=5) >= 1.9
+
+
+def test_try_time_measures_no_host_time_off_cuda():
+    p = common.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
+    prep = common.prepare_method("flashmask", p, common.Options(flashmask_backend="reference"))
+    res = common.try_time(prep, "fwd", common.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
+                          100, 16, 0, 0, torch.device("cpu"))
+    assert res["status"] == "ok" and res["host_ms"] is None and "host-bound" not in res["notes"]

@@ -803,6 +803,8 @@ HOST_BOUND_SHARE = 0.8
 
 def host_ms_per_call(fn: Callable, device: torch.device, calls: int = 20) -> float:
     """Host time per call (ms) of ``calls`` calls issued back to back, their GPU work queued behind."""
+    if calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -878,7 +880,9 @@ def try_time(prep: Prepared, mode: str, tensors, pairs: int, head_dim: int, warm
     try:
         ms, first, host = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device)
         tflops = attn_flops(pairs, head_dim, mode) / (ms * 1e-3) / 1e12
-        notes += [n for n in (host_bound_note(ms, host),) if n]
+        host_note = host_bound_note(ms, host)
+        if host_note:
+            notes.append(host_note)
         return {"status": "ok", "ms": ms, "tflops": tflops, "first_call_s": first, "host_ms": host,
                 "notes": "; ".join(notes), "fatal": False}
     except Exception as e:

@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=6)
     p.add_argument("--calls", type=int, default=30)
     args = p.parse_args(argv)
+    for name in ("passes", "calls"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
 
     import torch
     import masks

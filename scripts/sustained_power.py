@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=float, default=0.5, help="seconds at the start of a window left out of its means")
     p.add_argument("--settle", type=float, default=1.0, help="idle seconds before each window")
     args = p.parse_args(argv)
+    if args.seconds <= 0 or args.skip < 0 or args.skip >= args.seconds or args.settle < 0:
+        p.error(f"need --seconds > 0 and 0 <= --skip < --seconds, --settle >= 0; got --seconds {args.seconds}, "
+                f"--skip {args.skip}, --settle {args.settle}")
 
     import torch
     from masks.examples import example

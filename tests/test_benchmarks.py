@@ -418,6 +418,8 @@ def test_host_bound_note_names_cells_whose_launch_path_is_as_long_as_the_call():
 def test_host_ms_per_call_times_the_launches():
     import time
     assert common.host_ms_per_call(lambda: time.sleep(0.002), torch.device("cpu"), calls=5) >= 1.9
+    with pytest.raises(ValueError, match="calls must be at least 1, got 0"):
+        common.host_ms_per_call(lambda: None, torch.device("cpu"), calls=0)
 
 
 def test_try_time_measures_no_host_time_off_cuda():

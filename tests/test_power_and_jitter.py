@@ -32,3 +32,17 @@ def test_slow_readings_name_the_outliers_with_their_host_time():
     assert len(lines) == 2
     assert lines[0].startswith("causal pass 4: do_bench 0.970 ms") and lines[0].endswith("host 0.310 ms per call")
     assert lines[1].startswith("document pass 4:") and "back to back 0.290" in lines[1]
+
+
+@pytest.mark.parametrize("argv", [["--seconds", "0"], ["--seconds", "1", "--skip", "1"], ["--settle", "-1"]])
+def test_sustained_power_refuses_empty_windows(argv, capsys):
+    with pytest.raises(SystemExit):
+        sustained_power.main(argv)
+    assert "need --seconds > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,name", [(["--passes", "0"], "passes"), (["--calls", "0"], "calls")])
+def test_host_jitter_refuses_zero_counts(argv, name, capsys):
+    with pytest.raises(SystemExit):
+        host_jitter.main(argv)
+    assert f"--{name} must be at least 1, got 0" in capsys.readouterr().err

@@ -5,7 +5,10 @@ head dim 128 forward carried 90, guards ptxas added once the producer's loads sa
 6-10% slower for them, with no advisory in the ptxas log. Also the functions the compiler left out of
 line (counted by their returns, RET.REL): a lambda of the forward's consumers taken out of the head dim
 128, C=4 kernel reached its captures and the staged mask columns through generic pointers and ran 12x
-slower (version 42's row-sum build, docs/perf_notes.md).
+slower (version 42's row-sum build, docs/perf_notes.md). And the wgmma that ptxas waits for one at
+a time without saying so (WAITED: a full wait after most of a kernel's wgmma, where a batch ends
+with one; the Q-in-registers forward tried on version 44, whose spilled Q operands ptxas reloaded
+between them).
 
 A serialised wgmma costs a Hopper kernel more than most changes gain: the tried per-warpgroup skip
 of the SM90 forward (branch sm90-fwd-wg-skip, docs/perf_notes.md) issued wgmma on a path ptxas took
@@ -17,9 +20,9 @@ kernel change before spending GPU time on it:
     python scripts/compile_check.py --arch sm90 --source csrc/common/bwd_dsum.cu
 
 Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
-without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised, traps or
-(an attention kernel) out-of-line functions, or spills with --fail-on-spills: some head dim 64
-forward variants on main spill a few bytes.
+without a GPU) in the Python that runs it. Exits 1 when a kernel has wgmma serialised or waited
+singly, traps or (an attention kernel) out-of-line functions, or spills with --fail-on-spills: some
+head dim 64 forward variants on main spill a few bytes.
 """
 import argparse
 import glob
@@ -81,16 +84,49 @@ def count_per_kernel(sass: str, instruction: str) -> Dict[str, int]:
     return counts
 
 
-def traps_and_outlined(obj: str) -> Tuple[Dict[str, int], Dict[str, int]]:
-    """Per kernel of an object file, its traps and its out-of-line functions' returns
-    (count_per_kernel), or ({}, {}) where no cuobjdump is found."""
+def waited_wgmma(sass: str) -> Dict[str, Tuple[int, int]]:
+    """Per kernel (mangled name) in `cuobjdump -sass` output: (wgmma instructions that a full wait,
+    `WARPGROUP.DEPBAR.LE gsb0, 0x0`, follows before the next one, all its wgmma instructions). A
+    batch of wgmma ends with one wait; where ptxas has to reload a register operand between them it
+    waits after each one instead, with no advisory: the head dim 64 forward with Q in registers
+    (tried on version 44, docs/perf_notes.md) spilled Q and waited after all 24 of its wgmma, where
+    main waits after 2."""
+    counts: Dict[str, Tuple[int, int]] = {}
+    current, pending = None, False
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current, pending = m.group(1), False
+            counts[current] = (0, 0)
+        elif current is None:
+            continue
+        elif "HGMMA" in line:
+            waited, total = counts[current]
+            counts[current], pending = (waited, total + 1), True
+        elif "WARPGROUP.DEPBAR.LE" in line:
+            if pending and re.search(r"gsb0, 0x0\b", line):
+                waited, total = counts[current]
+                counts[current] = (waited + 1, total)
+            pending = False
+    return counts
+
+
+def wgmma_waited_singly(waited: int, total: int) -> bool:
+    """Whether most of a kernel's wgmma are each waited for on their own (waited_wgmma)."""
+    return total > 0 and 2 * waited > total
+
+
+def sass_checks(obj: str) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, Tuple[int, int]]]:
+    """Per kernel of an object file: its traps and its out-of-line functions' returns
+    (count_per_kernel) and its waited wgmma (waited_wgmma); ({}, {}, {}) where no cuobjdump is found."""
     tool = shutil.which("cuobjdump")
     if tool is None:
-        return {}, {}
+        return {}, {}, {}
     run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
     if run.returncode != 0:
-        return {}, {}
-    return count_per_kernel(run.stdout, "BPT.TRAP"), count_per_kernel(run.stdout, "RET.REL")
+        return {}, {}, {}
+    sass = run.stdout
+    return count_per_kernel(sass, "BPT.TRAP"), count_per_kernel(sass, "RET.REL"), waited_wgmma(sass)
 
 
 def cxx_standard() -> str:
@@ -156,7 +192,7 @@ def main() -> int:
         cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard())
         print(f"compiling {os.path.basename(unit)} {' '.join('-D' + d for d in args.defines)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
-        traps, outlined = traps_and_outlined(out) if run.returncode == 0 else ({}, {})
+        traps, outlined, waits = sass_checks(out) if run.returncode == 0 else ({}, {}, {})
     if run.returncode != 0:
         print(run.stderr[:3000], file=sys.stderr)  # the first errors explain the rest
         return run.returncode
@@ -170,9 +206,11 @@ def main() -> int:
         n_traps, n_calls = traps.get(mangled), outlined.get(mangled)
         # The hand-written row kernels (--source) call ptxas's 64-bit integer division routines.
         calls_fail = bool(n_calls) and args.source is None
-        bad |= k["wgmma_serialized"] or (spills > 0 and args.fail_on_spills) or bool(n_traps) or calls_fail
+        singly = wgmma_waited_singly(*waits.get(mangled, (0, 0)))
+        bad |= k["wgmma_serialized"] or singly or (spills > 0 and args.fail_on_spills) or bool(n_traps) or calls_fail
+        wgmma = "SERIALIZED" if k["wgmma_serialized"] else "WAITED" if singly else "ok"
         print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
-              f"{'SERIALIZED' if k['wgmma_serialized'] else 'ok':>10s} {'-' if n_traps is None else n_traps:>5} "
+              f"{wgmma:>10s} {'-' if n_traps is None else n_traps:>5} "
               f"{'-' if n_calls is None else n_calls:>5}  {name[:160]}")
     if not traps:
         print("(no cuobjdump on PATH: traps and calls not counted)")

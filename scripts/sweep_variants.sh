@@ -58,6 +58,10 @@ for v in "${VARS[@]}"; do  # a serialised wgmma (ptxas C7518) explains a loss be
     n=$(cuobjdump -sass /tmp/variant_${v%%=*}/flashmask/*.so 2>/dev/null | \
         awk '/Function :/ { attn = ($0 ~ /4sm[89]0/) } attn && /RET.REL/ { n++ } END { print n + 0 }')
     [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: $n out-of-line functions (RET.REL) in the SASS (scripts/compile_check.py)"
+    # And kernels whose wgmma ptxas waits for one at a time, also with no advisory (a reloaded register operand).
+    n=$(cuobjdump -sass /tmp/variant_${v%%=*}/flashmask/*.so 2>/dev/null | python3 -c "import sys; sys.path.insert(0, 'scripts')
+import compile_check as c; print(sum(c.wgmma_waited_singly(*w) for w in c.waited_wgmma(sys.stdin.read()).values()))")
+    [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: $n kernels wait for each wgmma on its own (scripts/compile_check.py)"
 done
 if [ -n "${TESTS:-}" ]; then
     for v in "${VARS[@]}"; do

@@ -43,6 +43,37 @@ SASS = """\
 """
 
 
+# Two kernels' wgmma in the shape of `cuobjdump -sass`: one batch of three ending in one full wait and
+# a wait that keeps one batch in flight (healthy), and three each followed by a full wait (a reload
+# of a register operand between them).
+WGMMA_SASS = """\
+\t\tFunction : _Z4goodv
+        /*1690*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;   /* 0x0 */
+        /*16e0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;         /* 0x0 */
+        /*1700*/                   HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR12], R88, gsb0 ; /* 0x0 */
+        /*1710*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                        /* 0x0 */
+        /*1720*/                   FMNMX R3, R24, R25, !PT ;                               /* 0x0 */
+        /*1730*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                        /* 0x0 */
+\t\tFunction : _Z3badv
+        /*1690*/                   HGMMA.64x128x16.F32.BF16 R24, R128, gdesc[UR24], RZ, !UPT, gsb0 ; /* 0x0 */
+        /*16c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                        /* 0x0 */
+        /*16d0*/                   LDL.64 R124, [R1+0x10] ;                                /* 0x0 */
+        /*16e0*/                   HGMMA.64x128x16.F32.BF16 R24, R124, gdesc[UR24], R24, gsb0 ; /* 0x0 */
+        /*1710*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                        /* 0x0 */
+        /*1730*/                   HGMMA.64x128x16.F32.BF16 R24, R120, gdesc[UR24], R24, gsb0 ; /* 0x0 */
+        /*17c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                        /* 0x0 */
+"""
+
+
+def test_waited_wgmma():
+    got = compile_check.waited_wgmma(WGMMA_SASS)
+    assert got == {"_Z4goodv": (0, 3), "_Z3badv": (3, 3)}
+    assert not compile_check.wgmma_waited_singly(*got["_Z4goodv"])
+    assert compile_check.wgmma_waited_singly(*got["_Z3badv"])
+    assert not compile_check.wgmma_waited_singly(2, 24)  # the head dim 64 forward on main
+    assert not compile_check.wgmma_waited_singly(0, 0)  # a kernel with no wgmma (SM80, row kernels)
+    assert compile_check.waited_wgmma("") == {}
+
 def test_count_per_kernel():
     assert compile_check.count_per_kernel(SASS, "BPT.TRAP") == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
     assert compile_check.count_per_kernel(SASS, "RET.REL") == {"_Z6kernelILb1EEvv": 0, "_Z6kernelILb0EEvv": 1}

@@ -6,6 +6,8 @@
 #include <cmath>
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
 
 namespace flashmask {
 
@@ -80,6 +82,45 @@ struct OnlineSoftmax {
             row_sum[mi] = row_sum[mi] * correction[mi] + sum;
         }
         return __any_sync(0xffffffffu, moved);
+    }
+
+    // update_scores and the conversion to P without the block's max (the SM90 forward's
+    // FWD_STALE_MAX64): exponentiate at each row's running max as it stands, into p (16-bit, s's
+    // rows x cols), and keep the block where every thread's partial row sum stays within 2^slack, so
+    // that no element of P exceeds what the lazy rescale allows; O needs no rescale then. Returns
+    // whether it kept the block, the same in every lane of the warp; if not (a row of the warp has
+    // seen nothing yet, or some score rose above its row's max), s is untouched for update_scores.
+    template <typename S, typename P>
+    __forceinline__ __device__ bool exp_at_running_max(S const& s, P& p, float scale_log2) {
+        using Element = typename P::value_type;
+        // Two neighbouring columns share a 32-bit register of P.
+        static_assert(decltype(p.layout()){}(0, 1) == decltype(p.layout()){}(0, 0) + 1);
+        bool fresh = false;
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(s); ++mi) fresh |= row_max[mi] == -INFINITY;
+        if (__any_sync(0xffffffffu, fresh)) return false;
+        float sum[kRows];
+        bool within = true;
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(s); ++mi) {
+            const float m_scaled = row_max[mi] * scale_log2;
+            sum[mi] = 0.f;
+            CUTE_UNROLL
+            for (int ni = 0; ni < cute::size<1>(s); ni += 2) {
+                cutlass::Array<float, 2> e;
+                e[0] = exp2f(s(mi, ni) * scale_log2 - m_scaled);
+                e[1] = exp2f(s(mi, ni + 1) * scale_log2 - m_scaled);
+                sum[mi] += e[0];
+                sum[mi] += e[1];
+                *reinterpret_cast<cutlass::Array<Element, 2>*>(&p(mi, ni)) =
+                    cutlass::NumericArrayConverter<Element, float, 2>{}(e);
+            }
+            within &= sum[mi] <= float(1 << FLASHMASK_SOFTMAX_RESCALE_SLACK);  // false for NaN
+        }
+        if (!__all_sync(0xffffffffu, within)) return false;
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(s); ++mi) row_sum[mi] += sum[mi];
+        return true;
     }
 
     template <typename O>

@@ -88,6 +88,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE && !Barriers::kPingpong;
     constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
     constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
+    constexpr bool kStaleMax =
+        (Traits::kHeadDim <= 64 ? FLASHMASK_SM90_FWD_STALE_MAX64 : FLASHMASK_SM90_FWD_STALE_MAX128) != 0;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -293,6 +295,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         float correction[kRows];
         bool rescale = true;  // whether a row's max moved: O needs the correction
+        bool p_ready = false;  // kStaleMax: the softmax wrote P itself
         // exp(S - max) of a block, masked where its ticket says, and the rescale factors of O; then P.
         auto softmax_of = [&](const Ticket& ticket, int slot) {
             Tensor s_rc = rowcol(acc_s);
@@ -302,9 +305,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot],
                     ticket.tight());
             }
-            rescale = softmax.update_scores(s_rc, p.scale_log2, correction);
+            if constexpr (kStaleMax) {
+                Tensor p_rc = rowcol(rP);
+                p_ready = softmax.exp_at_running_max(s_rc, p_rc, p.scale_log2);
+                rescale = !p_ready && softmax.update_scores(s_rc, p.scale_log2, correction);
+            } else {
+                rescale = softmax.update_scores(s_rc, p.scale_log2, correction);
+            }
         };
         auto store_p = [&]() {
+            if constexpr (kStaleMax) {
+                if (p_ready) return;
+            }
             Tensor converted = convert_to<Element>(acc_s);
             CUTE_UNROLL
             for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
@@ -365,6 +377,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 warpgroup_wait<1>();  // S is in; P V may still run
                 pipeline_k.consumer_release(state_k);
                 ++state_k;
+                // kStaleMax writes P in the softmax: the P V before must be done reading it.
+                if constexpr (kStaleMax) warpgroup_wait<0>();
                 softmax_of(ticket, slot);
                 warpgroup_wait<0>();
                 pipeline_v.consumer_release(state_v);  // also frees the last block's ring slot (fwd_traits.h)

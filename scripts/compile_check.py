@@ -22,9 +22,9 @@ kernel change before spending GPU time on it:
 Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
 without a GPU) in the Python that runs it. It compiles with the C++ standard that torch's extension
 builder uses: C++20 for torch 2.14, whose headers need it, where torch 2.11 builds with C++17; code
-that only C++20 takes (a lambda in `decltype`) passes here and fails to build there. Exits 1 when a kernel has wgmma serialised or waited
-singly, traps or (an attention kernel) out-of-line functions, or spills with --fail-on-spills: some
-head dim 64 forward variants on main spill a few bytes.
+that only C++20 takes (a lambda in `decltype`) passes here and fails to build there. Exits 1 when a
+kernel has wgmma serialised or waited singly, traps or (an attention kernel) out-of-line functions,
+or spills with --fail-on-spills: some head dim 64 forward variants on main spill a few bytes.
 """
 import argparse
 import glob

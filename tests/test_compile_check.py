@@ -74,6 +74,7 @@ def test_waited_wgmma():
     assert not compile_check.wgmma_waited_singly(0, 0)  # a kernel with no wgmma (SM80, row kernels)
     assert compile_check.waited_wgmma("") == {}
 
+
 def test_count_per_kernel():
     assert compile_check.count_per_kernel(SASS, "BPT.TRAP") == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
     assert compile_check.count_per_kernel(SASS, "RET.REL") == {"_Z6kernelILb1EEvv": 0, "_Z6kernelILb0EEvv": 1}

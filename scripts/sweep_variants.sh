@@ -50,18 +50,21 @@ wait
 echo "built ${#VARS[@]} variants in $(( $(date +%s) - t0 )) s"
 for v in "${VARS[@]}"; do  # a serialised wgmma (ptxas C7518) explains a loss before any timing does
     n=$(grep -c C7518 "$OUT/build_${v%%=*}.log"); [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: wgmma serialized in $n kernels"
+    # The SASS once per variant (the extension is over 100 MB) for the three checks below.
+    sass=/tmp/variant_${v%%=*}.sass
+    cuobjdump -sass /tmp/variant_${v%%=*}/flashmask/*.so > "$sass" 2>/dev/null
     # So do runtime traps ptxas adds with no advisory (version 36's head dim 128 forward: 90, 6-10% slower).
-    n=$(cuobjdump -sass /tmp/variant_${v%%=*}/flashmask/*.so 2>/dev/null | grep -c BPT.TRAP)
+    n=$(grep -c BPT.TRAP "$sass")
     [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: $n runtime traps (BPT.TRAP) in the SASS (scripts/compile_check.py)"
     # And functions left out of line in the attention kernels, namespaces sm80 and sm90 (version 42: a
     # consumer lambda outlined, one kernel 12x slower; the row kernels call 64-bit division routines).
-    n=$(cuobjdump -sass /tmp/variant_${v%%=*}/flashmask/*.so 2>/dev/null | \
-        awk '/Function :/ { attn = ($0 ~ /4sm[89]0/) } attn && /RET.REL/ { n++ } END { print n + 0 }')
+    n=$(awk '/Function :/ { attn = ($0 ~ /4sm[89]0/) } attn && /RET.REL/ { n++ } END { print n + 0 }' "$sass")
     [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: $n out-of-line functions (RET.REL) in the SASS (scripts/compile_check.py)"
     # And kernels whose wgmma ptxas waits for one at a time, also with no advisory (a reloaded register operand).
-    n=$(cuobjdump -sass /tmp/variant_${v%%=*}/flashmask/*.so 2>/dev/null | python3 -c "import sys; sys.path.insert(0, 'scripts')
-import compile_check as c; print(sum(c.wgmma_waited_singly(*w) for w in c.waited_wgmma(sys.stdin.read()).values()))")
+    n=$(python3 -c "import sys; sys.path.insert(0, 'scripts')
+import compile_check as c; print(sum(c.wgmma_waited_singly(*w) for w in c.waited_wgmma(sys.stdin.read()).values()))" < "$sass")
     [ "$n" -gt 0 ] && echo "WARNING: ${v%%=*}: $n kernels wait for each wgmma on its own (scripts/compile_check.py)"
+    rm -f "$sass"
 done
 if [ -n "${TESTS:-}" ]; then
     for v in "${VARS[@]}"; do

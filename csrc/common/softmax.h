@@ -88,22 +88,25 @@ struct OnlineSoftmax {
     // FWD_STALE_MAX64): exponentiate at each row's running max as it stands, into p (16-bit, s's
     // rows x cols), and keep the block where every thread's partial row sum stays within 2^slack, so
     // that no element of P exceeds what the lazy rescale allows; O needs no rescale then. Returns
-    // whether it kept the block, the same in every lane of the warp; if not (a row of the warp has
-    // seen nothing yet, or some score rose above its row's max), s is untouched for update_scores.
+    // whether it kept the block, the same in every lane of the warp. If not (a row of the warp has
+    // seen nothing yet, or some score rose above its row's max), s is untouched: the caller raises
+    // the max (raise_max) and calls again with force, which keeps the block whatever its sums (they
+    // are at most 32 then, or NaN from NaN scores, which the output then carries as the reference's).
     template <typename S, typename P>
-    __forceinline__ __device__ bool exp_at_running_max(S const& s, P& p, float scale_log2) {
+    __forceinline__ __device__ bool exp_at_running_max(S const& s, P& p, float scale_log2, bool force) {
         using Element = typename P::value_type;
         // Two neighbouring columns share a 32-bit register of P.
         static_assert(decltype(p.layout()){}(0, 1) == decltype(p.layout()){}(0, 0) + 1);
         bool fresh = false;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) fresh |= row_max[mi] == -INFINITY;
-        if (__any_sync(0xffffffffu, fresh)) return false;
+        if (!force && __any_sync(0xffffffffu, fresh)) return false;
         float sum[kRows];
         bool within = true;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
-            const float m_scaled = row_max[mi] * scale_log2;
+            // A row with nothing visible yet (only when forced) keeps exp2(-inf - 0) = 0, not NaN.
+            const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
             sum[mi] = 0.f;
             CUTE_UNROLL
             for (int ni = 0; ni < cute::size<1>(s); ni += 2) {
@@ -117,10 +120,31 @@ struct OnlineSoftmax {
             }
             within &= sum[mi] <= float(1 << FLASHMASK_SOFTMAX_RESCALE_SLACK);  // false for NaN
         }
-        if (!__all_sync(0xffffffffu, within)) return false;
+        if (!force && !__all_sync(0xffffffffu, within)) return false;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) row_sum[mi] += sum[mi];
         return true;
+    }
+
+    // Where exp_at_running_max did not keep a block: each row's max raised to the block's (no
+    // slack, so that the next try's sums stay within 32), the row sums rescaled, and O's factors in
+    // correction. Returns whether O needs them, the same in every lane of the warp.
+    template <typename S>
+    __forceinline__ __device__ bool raise_max(S const& s, float scale_log2, float (&correction)[kRows]) {
+        bool moved = false;
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(s); ++mi) {
+            float m = row_max[mi];
+            CUTE_UNROLL
+            for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+            m = quad_max(m);
+            moved |= m != row_max[mi];
+            const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+            correction[mi] = exp2f(row_max[mi] * scale_log2 - m_scaled);
+            row_sum[mi] *= correction[mi];
+            row_max[mi] = m;
+        }
+        return __any_sync(0xffffffffu, moved);
     }
 
     template <typename O>

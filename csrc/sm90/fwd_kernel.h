@@ -295,7 +295,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
         float correction[kRows];
         bool rescale = true;  // whether a row's max moved: O needs the correction
-        bool p_ready = false;  // kStaleMax: the softmax wrote P itself
         // exp(S - max) of a block, masked where its ticket says, and the rescale factors of O; then P.
         auto softmax_of = [&](const Ticket& ticket, int slot) {
             Tensor s_rc = rowcol(acc_s);
@@ -306,20 +305,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     ticket.tight());
             }
             if constexpr (kStaleMax) {
+                // The P V before reads P, which this writes. Waiting here rather than before the
+                // compare lets a partial block's compare run under that P V (H100: document 8K +4%,
+                // the window families +1%; docs/perf_notes.md, version 46).
+                warpgroup_wait<0>();
                 Tensor p_rc = rowcol(rP);
-                p_ready = softmax.exp_at_running_max(s_rc, p_rc, p.scale_log2);
-                rescale = !p_ready && softmax.update_scores(s_rc, p.scale_log2, correction);
+                // A block not kept at the running max goes round once more at the raised max: one
+                // copy of the exponentials in the loop's code, not two (version 46: with two, the
+                // window families and most 8K cells ran 2-8% slower).
+                rescale = false;
+                bool force = false;
+#pragma unroll 1
+                while (!softmax.exp_at_running_max(s_rc, p_rc, p.scale_log2, force)) {
+                    rescale = softmax.raise_max(s_rc, p.scale_log2, correction);
+                    force = true;
+                }
             } else {
                 rescale = softmax.update_scores(s_rc, p.scale_log2, correction);
             }
         };
+        // kStaleMax writes P in the softmax.
         auto store_p = [&]() {
-            if constexpr (kStaleMax) {
-                if (p_ready) return;
+            if constexpr (!kStaleMax) {
+                Tensor converted = convert_to<Element>(acc_s);
+                CUTE_UNROLL
+                for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
             }
-            Tensor converted = convert_to<Element>(acc_s);
-            CUTE_UNROLL
-            for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
         };
 
         if (cwg == 1) pass_turn();  // pingpong: warpgroup 0 goes first
@@ -377,8 +388,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                 warpgroup_wait<1>();  // S is in; P V may still run
                 pipeline_k.consumer_release(state_k);
                 ++state_k;
-                // kStaleMax writes P in the softmax: the P V before must be done reading it.
-                if constexpr (kStaleMax) warpgroup_wait<0>();
                 softmax_of(ticket, slot);
                 warpgroup_wait<0>();
                 pipeline_v.consumer_release(state_v);  // also frees the last block's ring slot (fwd_traits.h)

@@ -95,11 +95,13 @@ struct FwdTile {
 // The forward softmax exponentiates each block at the rows' running max, straight into P, without
 // the block's max, and takes the max only where a row's partial sum shows a score above it
 // (OnlineSoftmax::exp_at_running_max): 64 FMNMX, four shuffles and two exponentials fewer per
-// thread and block in the common case. H100, head dim 64, two passes: +3% to +12% on most families
-// at 32K and 128K (causal 128K 471 -> 527-534, full 32K 507-511 -> 548-549, document 32K 491-498 ->
-// 546-557), random eviction +6-9% and full +7% at every length, most others within 1% at 8K;
-// global + sliding window -4%, sliding window -3% at 8K. Head dim 128 (pingpong), one pass: -1% to
-// -10% on most families, so off there (docs/perf_notes.md, version 45).
+// thread and block in the common case. Version 45 took the other blocks through the old softmax, a
+// second copy of the exponentials in the loop's code; version 46 raises the max and goes round
+// once more, one copy, and the window families no longer lose. H100, head dim 64, two passes
+// against the old softmax: level on most families, sliding window +1-2%, prefix-LM document 128K
+// +0-7% (in that run version 45's form read 0-8% below the old softmax at 8K and level at 128K; a
+// session before, on another machine, +3-12% at 32K-128K). Head dim 128 (pingpong), two passes:
+// level, so off there (docs/perf_notes.md, versions 45 and 46).
 #ifndef FLASHMASK_SM90_FWD_STALE_MAX64
 #define FLASHMASK_SM90_FWD_STALE_MAX64 1
 #endif

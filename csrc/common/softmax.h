@@ -45,6 +45,20 @@ struct OnlineSoftmax {
         }
     }
 
+    // Row mi's running max taken together with the block's scores, over the row's quad.
+    template <typename S>
+    __forceinline__ __device__ float max_with_block(S const& s, int mi) const {
+        float m = row_max[mi];
+        CUTE_UNROLL
+        for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+        return quad_max(m);
+    }
+    // The exponent offset of a row whose max is m: a row with nothing visible yet keeps max -inf,
+    // and offset 0 keeps exp2(-inf - 0) = 0, not NaN.
+    __forceinline__ __device__ static float offset_of(float m, float scale_log2) {
+        return m == -INFINITY ? 0.f : m * scale_log2;
+    }
+
     // s: scores of this block as (rows, cols), overwritten by exp(s - max); o: output accumulator
     // as (rows, cols), rescaled to the new max.
     template <typename S, typename O>
@@ -61,16 +75,12 @@ struct OnlineSoftmax {
         bool moved = false;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
-            float m = row_max[mi];
-            CUTE_UNROLL
-            for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
-            m = quad_max(m);
+            float m = max_with_block(s, mi);
             if (row_max[mi] != -INFINITY && (m - row_max[mi]) * scale_log2 <= float(FLASHMASK_SOFTMAX_RESCALE_SLACK)) {
                 m = row_max[mi];
             }
             moved |= m != row_max[mi];
-            // A row with nothing visible yet keeps max -inf; offset 0 keeps exp2(-inf - 0) = 0, not NaN.
-            const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+            const float m_scaled = offset_of(m, scale_log2);
             correction[mi] = exp2f(row_max[mi] * scale_log2 - m_scaled);
             row_max[mi] = m;
             float sum = 0.f;
@@ -105,8 +115,7 @@ struct OnlineSoftmax {
         bool within = true;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
-            // A row with nothing visible yet (only when forced) keeps exp2(-inf - 0) = 0, not NaN.
-            const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
+            const float m_scaled = offset_of(row_max[mi], scale_log2);  // -inf only when forced
             sum[mi] = 0.f;
             CUTE_UNROLL
             for (int ni = 0; ni < cute::size<1>(s); ni += 2) {
@@ -134,13 +143,9 @@ struct OnlineSoftmax {
         bool moved = false;
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
-            float m = row_max[mi];
-            CUTE_UNROLL
-            for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
-            m = quad_max(m);
+            const float m = max_with_block(s, mi);
             moved |= m != row_max[mi];
-            const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-            correction[mi] = exp2f(row_max[mi] * scale_log2 - m_scaled);
+            correction[mi] = exp2f(row_max[mi] * scale_log2 - offset_of(m, scale_log2));
             row_sum[mi] *= correction[mi];
             row_max[mi] = m;
         }

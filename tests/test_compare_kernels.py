@@ -1,12 +1,9 @@
-"""scripts/compare_kernels.py: new/old TFLOP/s of one method per case present in both CSVs."""
+"""tools/compare_kernels.py: new/old TFLOP/s of one method per case present in both CSVs."""
 import csv
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import compare_kernels  # noqa: E402
+from tools import compare_kernels
 
 FIELDS = ["family", "seqlen", "head_dim", "mode", "method", "status", "tflops"]
 

@@ -1,10 +1,8 @@
-"""scripts/compile_check.py: reading ptxas's report (the compile itself needs nvcc and a CUDA torch)."""
-import os
+"""tools/compile_check.py: reading ptxas's report (the compile itself needs nvcc and a CUDA torch)."""
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import compile_check  # noqa: E402
+from tools import compile_check
 
 # The shape of `nvcc -Xptxas -v` output, advisory first as ptxas prints it.
 LOG = """\

@@ -1,11 +1,11 @@
-"""scripts/ncu_hot_lines.py on a small CSV shaped like ncu's source page."""
+"""tools/ncu_hot_lines.py on a small CSV shaped like ncu's source page."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "ncu_hot_lines.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
           '"stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"')
 
@@ -13,7 +13,8 @@ HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sa
 def run(tmp_path, text, *args):
     path = tmp_path / "src.csv"
     path.write_text(text)
-    return subprocess.run([sys.executable, SCRIPT, str(path), *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tools.ncu_hot_lines", str(path), *args], capture_output=True,
+                          text=True, cwd=ROOT)
 
 
 def test_lines_ranked_by_samples_with_their_reasons(tmp_path):

@@ -1,10 +1,8 @@
-"""scripts/sweep_table.py: the variant sweep's side-by-side table, from fake per-variant CSVs."""
+"""tools/sweep_table.py: the variant sweep's side-by-side table, from fake per-variant CSVs."""
 import csv
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import sweep_table  # noqa: E402
+from tools import sweep_table
 
 FIELDS = ["family", "seqlen", "head_dim", "mode", "method", "status", "tflops"]
 

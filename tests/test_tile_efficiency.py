@@ -1,15 +1,11 @@
-"""scripts/tile_efficiency.py: tile counts against a direct count, one tile at a time."""
-import os
-import sys
-
+"""tools/tile_efficiency.py: tile counts against a direct count, one tile at a time."""
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import tile_efficiency  # noqa: E402
-from attn_helpers import random_startend  # noqa: E402
-from masks.format import to_dense, unpack  # noqa: E402
-import masks  # noqa: E402
+import masks
+from attn_helpers import random_startend
+from masks.format import to_dense, unpack
+from tools import tile_efficiency
 
 
 def direct_counts(mask, causal, block_m, block_n):

@@ -112,3 +112,55 @@ def test_missing_source_is_refused(monkeypatch, capsys, tmp_path):
     else:
         raise AssertionError("a missing source file must be refused")
     assert "no such file" in capsys.readouterr().err
+
+
+# An extension's SASS: an attention kernel (namespace flashmask::sm90) with a trap, an out-of-line
+# function and its wgmma each waited for, and a row kernel whose out-of-line division is expected.
+EXTENSION_SASS = """\
+\t\tFunction : _ZN9flashmask4sm904attnEPfi
+        /*0050*/                   BPT.TRAP 0x1 ;                       /* 0x0 */
+        /*00b0*/                   CALL.REL.NOINC 0xe0 ;                /* 0x0 */
+        /*0100*/                   RET.REL.NODEC R4 0x0 ;               /* 0x0 */
+        /*1690*/                   HGMMA.64x128x16.F32.BF16 R24, R128, gdesc[UR24], RZ, !UPT, gsb0 ; /* 0x0 */
+        /*16c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                        /* 0x0 */
+\t\tFunction : _ZN9flashmask4rowsEPf
+        /*0070*/                   CALL.REL.NOINC 0xa0 ;                /* 0x0 */
+        /*00d0*/                   RET.REL.NODEC R4 0x0 ;               /* 0x0 */
+"""
+
+
+def _fake_cuobjdump(monkeypatch, sass):
+    monkeypatch.setattr(compile_check.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(compile_check, "sass_checks", lambda path: (
+        compile_check.count_per_kernel(sass, "BPT.TRAP"), compile_check.count_per_kernel(sass, "RET.REL"),
+        compile_check.waited_wgmma(sass)))
+    monkeypatch.setattr(compile_check, "_demangle", lambda names: names)
+
+
+def test_sass_report_names_the_attention_kernels_only(monkeypatch, capsys):
+    _fake_cuobjdump(monkeypatch, EXTENSION_SASS)
+    assert compile_check.sass_report("ext.so") == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in out[:3]] == [["1", "traps", "_ZN9flashmask4sm904attnEPfi"],
+                                                  ["1", "calls", "_ZN9flashmask4sm904attnEPfi"],
+                                                  ["WAITED", "1/1", "_ZN9flashmask4sm904attnEPfi"]]
+    assert out[3] == ("2 kernels: 1 with runtime traps, 1 attention kernels with out-of-line functions, "
+                      "1 waiting for each wgmma on its own")
+    _fake_cuobjdump(monkeypatch, EXTENSION_SASS.split("\t\tFunction : _ZN9flashmask4rows")[0].replace(
+        "BPT.TRAP", "NOP").replace("RET.REL", "EXIT").replace("gsb0, 0x0", "gsb0, 0x1"))
+    assert compile_check.sass_report("ext.so") == 0
+    assert capsys.readouterr().out.startswith("1 kernels: 0 with runtime traps, 0 attention")
+    assert compile_check.is_attention_kernel("_ZN9flashmask4sm803fwdEv")
+    assert not compile_check.is_attention_kernel("_ZN9flashmask4rowsEPf")
+
+
+def test_sass_of_a_missing_file_is_refused(monkeypatch, capsys, tmp_path):
+    missing = str(tmp_path / "nothing.so")
+    monkeypatch.setattr(sys, "argv", ["compile_check.py", "--sass", missing])
+    try:
+        compile_check.main()
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("a missing file must be refused")
+    assert "--sass" in capsys.readouterr().err

@@ -1,30 +1,21 @@
-"""Compile one kernel instantiation here, without a GPU, and report what ptxas says of each of its
-kernels: registers, spills, whether wgmma is serialised (ptxas advisory C7518), and how many runtime
-traps ptxas put in each kernel's SASS (BPT.TRAP, counted with cuobjdump where it is found): version 36's
-head dim 128 forward carried 90, guards ptxas added once the producer's loads sat in a lambda, and ran
-6-10% slower for them, with no advisory in the ptxas log. Also the functions the compiler left out of
-line (counted by their returns, RET.REL): a lambda of the forward's consumers taken out of the head dim
-128, C=4 kernel reached its captures and the staged mask columns through generic pointers and ran 12x
-slower (version 42's row-sum build, docs/perf_notes.md). And the wgmma that ptxas waits for one at
-a time without saying so (WAITED: a full wait after most of a kernel's wgmma, where a batch ends
-with one; the Q-in-registers forward tried on version 44, whose spilled Q operands ptxas reloaded
-between them).
+"""Compile one kernel instantiation without a GPU and report what ptxas says of each kernel, with
+the SASS checks for what slows a kernel down without any error:
 
-A serialised wgmma costs a Hopper kernel more than most changes gain: the tried per-warpgroup skip
-of the SM90 forward (branch sm90-fwd-wg-skip, docs/perf_notes.md) issued wgmma on a path ptxas took
-as divergent, was serialised in every head dim 64 variant and lost 7-41% on the H100. Run this on a
-kernel change before spending GPU time on it:
+- registers and spill bytes;
+- wgmma serialised (ptxas advisory C7518): costs a Hopper kernel more than most changes gain;
+- wgmma waited for one at a time (WAITED; no advisory): ptxas reloads a register operand between them;
+- runtime traps (BPT.TRAP) and functions left out of line (RET.REL): guards and calls ptxas adds
+  silently, each seen to make a kernel several times slower.
 
-    python scripts/compile_check.py --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
-    python scripts/compile_check.py --arch sm90 --kernel bwd_kv --head-dim 128 -D FLASHMASK_SM90_BWD_DQ_WARPS128=1
-    python scripts/compile_check.py --arch sm90 --source csrc/common/bwd_dsum.cu
+    python -m tools.compile_check --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
+    python -m tools.compile_check --arch sm90 --source csrc/common/bwd_dsum.cu
+    python -m tools.compile_check --sass flashmask/_C*.so
 
-Needs nvcc, the nvidia-cutlass wheel and a torch with CUDA headers (the CUDA build of torch compiles
-without a GPU) in the Python that runs it. It compiles with the C++ standard that torch's extension
-builder uses: C++20 for torch 2.14, whose headers need it, where torch 2.11 builds with C++17; code
-that only C++20 takes (a lambda in `decltype`) passes here and fails to build there. Exits 1 when a
+Compiling needs nvcc, the nvidia-cutlass wheel and a CUDA build of torch, with the C++ standard its
+extension builder uses (code only a newer standard takes would pass here and fail the build).
+--sass checks an object file or a built extension instead (needs cuobjdump only). Exits 1 when a
 kernel has wgmma serialised or waited singly, traps or (an attention kernel) out-of-line functions,
-or spills with --fail-on-spills: some head dim 64 forward variants on main spill a few bytes.
+or spills with --fail-on-spills.
 """
 import argparse
 import glob
@@ -40,8 +31,17 @@ from typing import Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(HERE, "csrc")
-sys.path.insert(0, CSRC)
-import instantiations as inst  # noqa: E402  (the one list of kernels, csrc/instantiations.py)
+
+
+def _instantiations_module():
+    """csrc/instantiations.py, the one list of kernels (loaded by path, as setup.py does)."""
+    spec = importlib.util.spec_from_file_location("flashmask_instantiations", os.path.join(CSRC, "instantiations.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+inst = _instantiations_module()
 
 
 def parse_ptxas(log: str) -> Dict[str, dict]:
@@ -90,9 +90,7 @@ def waited_wgmma(sass: str) -> Dict[str, Tuple[int, int]]:
     """Per kernel (mangled name) in `cuobjdump -sass` output: (wgmma instructions that a full wait,
     `WARPGROUP.DEPBAR.LE gsb0, 0x0`, follows before the next one, all its wgmma instructions). A
     batch of wgmma ends with one wait; where ptxas has to reload a register operand between them it
-    waits after each one instead, with no advisory: the head dim 64 forward with Q in registers
-    (tried on version 44, docs/perf_notes.md) spilled Q and waited after all 24 of its wgmma, where
-    main waits after 2."""
+    waits after each one instead, with no advisory."""
     counts: Dict[str, Tuple[int, int]] = {}
     current, pending = None, False
     for line in sass.splitlines():
@@ -131,6 +129,39 @@ def sass_checks(obj: str) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, Tup
     return count_per_kernel(sass, "BPT.TRAP"), count_per_kernel(sass, "RET.REL"), waited_wgmma(sass)
 
 
+def is_attention_kernel(mangled: str) -> bool:
+    """Whether a kernel is one of the attention kernels (namespaces flashmask::sm80 and ::sm90); the
+    others, the row kernels, call ptxas's 64-bit integer division routines out of line."""
+    return "4sm80" in mangled or "4sm90" in mangled
+
+
+def sass_report(path: str) -> int:
+    """The kernels of an object file or built extension with runtime traps, out-of-line functions (an
+    attention kernel) or wgmma waited for one at a time: one line each and a total; 1 if any."""
+    if shutil.which("cuobjdump") is None:
+        print("--sass needs cuobjdump (CUDA toolkit) on PATH", file=sys.stderr)
+        return 2
+    traps, outlined, waits = sass_checks(path)
+    if not traps:
+        print(f"{path}: no kernels in cuobjdump -sass", file=sys.stderr)
+        return 2
+    found = []  # (check, what it found, mangled name)
+    for mangled in traps:
+        waited, total = waits.get(mangled, (0, 0))
+        if traps[mangled]:
+            found.append(("traps", f"{traps[mangled]} traps", mangled))
+        if outlined.get(mangled) and is_attention_kernel(mangled):
+            found.append(("calls", f"{outlined[mangled]} calls", mangled))
+        if wgmma_waited_singly(waited, total):
+            found.append(("waited", f"WAITED {waited}/{total}", mangled))
+    for (_, what, _), name in zip(found, _demangle([m for *_, m in found])):
+        print(f"{what:>14s}  {name[:160]}")
+    count = {check: sum(f[0] == check for f in found) for check in ("traps", "calls", "waited")}
+    print(f"{len(traps)} kernels: {count['traps']} with runtime traps, {count['calls']} attention kernels with "
+          f"out-of-line functions, {count['waited']} waiting for each wgmma on its own")
+    return 1 if found else 0
+
+
 def cxx_standard() -> str:
     """The C++ standard torch's extension builder passes nvcc (its headers need it)."""
     import torch.utils.cpp_extension as cpp
@@ -161,12 +192,19 @@ def main() -> int:
     parser.add_argument("--kernel", default="fwd", help="fwd, bwd_kv or bwd_dq (csrc/instantiations.py KERNELS)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
-    parser.add_argument("-D", dest="defines", action="append", default=[], help="a macro, e.g. FLASHMASK_SM90_FWD_WG64=2")
+    parser.add_argument("-D", dest="defines", action="append", default=[], help="pass -DNAME or -DNAME=VALUE to nvcc (repeatable)")
     parser.add_argument("--keep", default=None, help="write the object file here (for cuobjdump -sass)")
     parser.add_argument("--fail-on-spills", action="store_true")
     parser.add_argument("--source", default=None,
                         help="compile this file instead of an instantiation (e.g. csrc/common/bwd_dsum.cu)")
+    parser.add_argument("--sass", default=None, metavar="FILE",
+                        help="check the SASS of this object file or built extension instead of compiling")
     args = parser.parse_args()
+
+    if args.sass is not None:
+        if not os.path.isfile(args.sass):
+            parser.error(f"--sass {args.sass!r}: no such file")
+        return sass_report(args.sass)
 
     if args.source is not None and not os.path.isfile(args.source):
         parser.error(f"--source {args.source!r}: no such file")

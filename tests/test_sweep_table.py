@@ -35,3 +35,16 @@ def test_modes_and_methods_keep_their_own_cells(tmp_path):
         table = list(csv.reader(f))
     assert table[0] == ["head_dim", "family", "seqlen", "mode", "main", "main_det", "next", "next_sm80"]
     assert table[1] == ["64", "causal", "8192", "bwd", "300.0", "250.0", "", "200.0"]
+
+
+def test_main_prints_the_table_and_refuses_a_missing_folder(tmp_path, capsys):
+    write_csv(str(tmp_path), "main", [("causal", 8192, 64, "fwd", "flashmask", "ok", 400.0)])
+    sweep_table.main([str(tmp_path), "main"])
+    assert capsys.readouterr().out.splitlines()[1].split() == ["64", "causal", "8192", "fwd", "400.0"]
+    try:
+        sweep_table.main([str(tmp_path / "missing")])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("a missing folder must be refused")
+    assert "no such folder" in capsys.readouterr().err

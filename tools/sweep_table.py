@@ -1,11 +1,11 @@
-"""The side-by-side table of a variant sweep (scripts/sweep_variants.sh): one row per (head dim,
+"""The side-by-side table of a variant sweep (tools/sweep_variants.sh): one row per (head dim,
 family, seqlen, mode), one column per (variant, method), TFLOP/s; also written to OUT/sweep.csv.
 
-    python scripts/sweep_table.py OUT main next lead
+    python -m tools.sweep_table OUT main next lead
 """
+import argparse
 import csv
 import os
-import sys
 from typing import Dict, List, Tuple
 
 Key = Tuple[int, str, int, str]
@@ -46,5 +46,15 @@ def write(out: str, variants: List[str]) -> str:
     return "\n".join(lines)
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="the sweep's output folder, holding <variant>/kernels.csv")
+    parser.add_argument("variants", nargs="*", help="the variants' folder names, in column order")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.out):
+        parser.error(f"out {args.out!r}: no such folder")
+    print(write(args.out, args.variants))
+
+
 if __name__ == "__main__":
-    print(write(sys.argv[1], sys.argv[2:]))
+    main()

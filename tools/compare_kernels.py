@@ -1,9 +1,10 @@
-"""Compare two bench_kernels.py CSVs method by method: new / old TFLOP/s per (family, seqlen, mode).
+"""Compare two benchmarks.bench_kernels CSVs method by method: new / old TFLOP/s per (family, seqlen,
+head dim, mode).
 
-    python scripts/compare_kernels.py benchmarks/results_h100/kernels.csv NEW.csv [--method flashmask]
+    python -m tools.compare_kernels OLD/kernels.csv NEW/kernels.csv [--method flashmask]
 
 Prints one row per case present in both and the median ratio; a quick check that a refactor kept
-the kernels' speed (run-to-run noise on an H100 is a few percent).
+the kernels' speed (quick runs drift a few percent between runs).
 """
 import argparse
 import csv

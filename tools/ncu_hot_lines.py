@@ -1,15 +1,16 @@
-"""The SASS lines where a kernel's warps stall most, from an ncu source-page CSV. On the GPU machine:
+"""The SASS lines where a kernel's warps stall most, from an ncu source-page CSV. On a GPU machine:
 
     ncu --kernel-name regex:^bwd_kernel --launch-skip 1 --launch-count 1 --section SourceCounters \\
         --page source --print-source sass --csv \\
-        python3 scripts/profile_step.py --family causal --seqlen 16384 --head-dim 64 > src.csv
-    python3 scripts/ncu_hot_lines.py src.csv --top 40
+        python -m tools.profile_step --family causal --seqlen 16384 --head-dim 64 > src.csv
+    python -m tools.ncu_hot_lines src.csv --top 40
 
 Each line: stall samples, their share of the kernel's, the address, the instruction and its two
 largest stall reasons (ncu's stall_* columns).
 """
 import argparse
 import csv
+import os
 
 
 def number(cell):
@@ -24,7 +25,10 @@ def main():
     parser.add_argument("csv")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
-    rows = list(csv.reader(open(args.csv, errors="replace")))
+    if not os.path.isfile(args.csv):
+        parser.error(f"csv {args.csv!r}: no such file")
+    with open(args.csv, errors="replace") as f:
+        rows = list(csv.reader(f))
     header_at = next((i for i, r in enumerate(rows) if "Warp Stall Sampling (All Samples)" in r), None)
     if header_at is None:
         raise SystemExit(f"{args.csv}: no 'Warp Stall Sampling (All Samples)' column (ncu --page source --csv?)")

@@ -3,17 +3,14 @@ prints their median time instead (triton's do_bench), --kernels the time of each
 --host the CPU time per call next to the GPU time (is a short call bound by its launch path?).
 
     ncu --kernel-name regex:bwd_kv_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-        python3 scripts/profile_step.py --family causal --seqlen 32768
+        python -m tools.profile_step --family causal --seqlen 32768
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flashmask  # noqa: E402
-from masks.examples import example  # noqa: E402
+import flashmask
+from masks.examples import example
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--family", default="causal")

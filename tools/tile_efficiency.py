@@ -5,20 +5,17 @@ tile it visits. Visible pairs / computed pairs is then a ceiling on its TFLOP/s 
 pairs) relative to its dense rate; the share of visited tiles that some element masks is how often
 the element-wise compare runs. Runs on the CPU, a chunk of rows at a time (O(rows * Sk) memory):
 
-    python scripts/tile_efficiency.py --seqlens 8k,32k --tiles 192x128,128x128,64x128
+    python -m tools.tile_efficiency --seqlens 8k,32k --tiles 192x128,128x128,64x128
 """
 import argparse
-import os
-import sys
 from typing import Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from masks import FAMILIES  # noqa: E402
-from masks.examples import example  # noqa: E402
-from masks.format import to_dense  # noqa: E402
-from benchmarks.common import tile_stats  # noqa: E402
+from benchmarks.common import tile_stats
+from masks import FAMILIES
+from masks.examples import example
+from masks.format import to_dense
 
 
 def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, chunk_rows: int = 2048,
@@ -28,11 +25,11 @@ def tile_counts(mask: torch.Tensor, causal: bool, block_m: int, block_n: int, ch
     (Sq = Sk, as the benchmark's).
 
     With warpgroup_rows (a divisor of block_m) also the pairs computed when each warpgroup of that
-    many rows skips some blocks of the tile's walk (key blocks in decreasing order):
-    `computed_leading`, those above the last block its own rows see; `computed_skip`, every block
-    its rows do not see (the SM90 forward's FLASHMASK_SM90_FWD_WG_SKIP=1 and 3); `computed_skip_cut`,
-    those only where the column intervals cut the tile partly by the kernels' bounds test
-    (FWD_WG_SKIP=2: a block the causal diagonal alone crosses is computed by every warpgroup)."""
+    many rows skips some blocks of the tile's walk (key blocks in decreasing order), the ceiling of
+    a per-warpgroup skip in a kernel: `computed_leading`, those above the last block its own rows
+    see; `computed_skip`, every block its rows do not see; `computed_skip_cut`, those only where the
+    column intervals cut the tile partly by the kernels' bounds test (a block the causal diagonal
+    alone crosses is computed by every warpgroup)."""
     b, hm, sk = mask.shape[:3]
     sq = sk
     # The kernels' bounds test of whether the column intervals cut each tile: [B, Hm, query tiles, key blocks].

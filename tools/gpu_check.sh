@@ -9,8 +9,8 @@ usage: bash tools/gpu_check.sh OUTDIR [--wheels DIR] [--tests "PATHS"] [--bench 
                                       [--test-timeout SECONDS] [--skip-build]
 
 Builds the extension (pip install -e . with FLASHMASK_BUILD_CUDA=1, so a failed CUDA build fails),
-runs the GPU tests and, if asked, a benchmark. Writes OUTDIR/build.log, ptxas.txt, tests.log and
-bench.log, and prints a summary last (build seconds, test counts, exit code).
+runs the GPU tests and, if asked, a benchmark. Writes OUTDIR/gpu.txt (nvidia-smi), build.log,
+ptxas.txt, tests.log and bench.log, and prints a summary last (build seconds, test counts, exit code).
 
   OUTDIR                  folder for the logs (created if missing)
   --wheels DIR            first install the wheels in DIR with no package index (offline machines)

@@ -11,8 +11,8 @@ the SASS checks for what slows a kernel down without any error:
     python -m tools.compile_check --arch sm90 --source csrc/common/bwd_dsum.cu
     python -m tools.compile_check --sass flashmask/_C*.so
 
-Compiling needs nvcc, the nvidia-cutlass wheel and a CUDA build of torch, with the C++ standard its
-extension builder uses (code only a newer standard takes would pass here and fail the build).
+Compiling needs nvcc, the nvidia-cutlass wheel and a CUDA build of torch; it uses the C++ standard
+torch's extension builder uses, so that code the build would refuse fails here too.
 --sass checks an object file or a built extension instead (needs cuobjdump only). Exits 1 when a
 kernel has wgmma serialised or waited singly, traps or (an attention kernel) out-of-line functions,
 or spills with --fail-on-spills.

@@ -73,12 +73,12 @@ def repo(tmp_path):
     return repo
 
 
-def sweep(repo, *args, **env):
+def sweep(repo, *args, cwd=None, **env):
     # No git identity configured: the working tree's stash commit must not need one.
     env = {**os.environ, "SCRATCH": str(repo.parent / "scratch"), "PYTHON": sys.executable,
            "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1", "MAX_JOBS": "2", **env}
     return subprocess.run(["bash", str(repo / "tools" / "sweep_variants.sh"), *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, cwd=cwd, timeout=300)
 
 
 @pytest.mark.slow  # a handful of git and python processes per variant
@@ -97,9 +97,10 @@ def test_revisions_and_working_tree_side_by_side(repo, tmp_path):
                      ["64", "causal", "8192", "fwd", "100.0", "200.0", "300.0", "300.0", "200.0", "100.0"]]
     assert "--families causal,full" in (out / "fast" / "args.txt").read_text()
     assert (out / "build_base.log").exists() and (out / "bench_fast_2.log").exists()
-    # The working tree itself is left as it was, and a second sweep reuses the worktrees.
+    # The working tree itself is left as it was, and a second sweep reuses the worktrees; a relative
+    # OUTDIR is the caller's.
     assert (repo / "speed.txt").read_text() == "300\n"
-    r = sweep(repo, str(out), "base=fast", MODES="bwd")
+    r = sweep(repo, "out", "base=fast", cwd=tmp_path, MODES="bwd")
     assert r.returncode == 0, r.stdout + r.stderr
     with open(out / "sweep.csv") as f:
         assert list(csv.reader(f))[1] == ["64", "causal", "8192", "bwd", "200.0"]

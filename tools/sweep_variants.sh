@@ -41,6 +41,9 @@ fail_usage() {
 [ $# -ge 2 ] || fail_usage "expected OUTDIR and at least one revision, got $# argument(s)"
 OUTDIR=$1; shift
 [ ! -e "$OUTDIR" ] || [ -d "$OUTDIR" ] || fail_usage "OUTDIR '$OUTDIR' exists and is not a folder"
+SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/flashmask_sweep}
+[[ $OUTDIR == /* ]] || OUTDIR=$PWD/$OUTDIR  # both relative to the caller's folder, not the checkout's
+[[ $SCRATCH == /* ]] || SCRATCH=$PWD/$SCRATCH
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 git rev-parse --git-dir > /dev/null 2>&1 || fail_usage "$ROOT is not a git checkout"
@@ -69,7 +72,6 @@ done
 
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd) || fail_usage "OUTDIR '$OUTDIR' cannot be created"
 export OUTDIR
-SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/flashmask_sweep}
 mkdir -p "$SCRATCH" && SCRATCH=$(cd "$SCRATCH" && pwd -P) || fail_usage "SCRATCH '$SCRATCH' cannot be created"
 PY=${PYTHON:-python3}
 HEAD_DIM=${HEAD_DIM:-64}; DTYPE=${DTYPE:-bf16}; SEQLENS=${SEQLENS:-8k,32k,128k}; MODES=${MODES:-fwd}; ARCHS=${ARCHS:-90}

@@ -228,20 +228,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         p.lse_log2 = lse_log2.data_ptr<float>();
     }
 
-    // GQA: each query head writes its own dK, dV slice and the group is summed below; or, in a build
-    // whose backward sums groups itself (FLASHMASK_SM90_BWD_GQA_SUM, off by default), it adds every
-    // head's tiles into fp32 accumulators of the group (sm90/group_sum.h), not in deterministic mode.
+    // GQA: each query head writes its own dK, dV slice and the group is summed below.
     const bool expand = hq != hk;
-    const bool sum_in_kernel = expand && sel.tiles.bwd_group_sum && !deterministic;
-    at::Tensor dk_sum, dv_sum;
-    if (sum_in_kernel) {
-        dk_sum = at::zeros({b, sk, hk, d}, k.options().dtype(at::kFloat));
-        dv_sum = at::zeros({b, sk, hk, d}, v.options().dtype(at::kFloat));
-        p.dk_accum = dk_sum.data_ptr<float>();
-        p.dv_accum = dv_sum.data_ptr<float>();
-    }
-    at::Tensor dk_h = expand && !sum_in_kernel ? at::empty({b, sk, hq, d}, k.options()) : dk;
-    at::Tensor dv_h = expand && !sum_in_kernel ? at::empty({b, sk, hq, d}, v.options()) : dv;
+    at::Tensor dk_h = expand ? at::empty({b, sk, hq, d}, k.options()) : dk;
+    at::Tensor dv_h = expand ? at::empty({b, sk, hq, d}, v.options()) : dv;
     p.dk = dk_h.data_ptr();
     p.dv = dv_h.data_ptr();
     set_strides(dk_h, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
@@ -279,10 +269,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);
     if (dq_kernel) sel.kernels->bwd_dq(p, stream);
-    if (sum_in_kernel) {
-        dk.copy_(dk_sum);
-        dv.copy_(dv_sum);
-    } else if (expand) {
+    if (expand) {
         // One pass: the reduction accumulates the half-precision slices in fp32 and rounds once.
         at::sum_out(dk, dk_h.view({b, sk, hk, hq / hk, d}), 3);
         at::sum_out(dv, dv_h.view({b, sk, hk, hq / hk, d}), 3);

@@ -30,7 +30,6 @@ struct KernelSet {
 // accumulator with them.
 struct TileSizes {
     int fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n;
-    bool bwd_group_sum = false;  // the backward sums a GQA group's dK and dV itself (BwdParams::dk_accum)
 };
 
 struct Selection {

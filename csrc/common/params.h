@@ -70,11 +70,6 @@ struct BwdParams : AttnParams {
     // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], one more than the last key
     // block that added to each query block's dQ (they add in order: sm90/bwd_kernel.h); nullptr otherwise.
     int* dq_semaphore;
-    // GQA summed inside the SM90 backward (sm90/group_sum.h, built with FLASHMASK_SM90_BWD_GQA_SUM=1):
-    // zeroed float32 [B, Sk, Hk, D] each, into which every query head adds its dK (scaled) and dV
-    // tiles; dk and dv are then not written. nullptr: each query head writes its own slice.
-    float* dk_accum;
-    float* dv_accum;
     // dK, dV [B, Sk, Hq, D]: one slice per query head (a GQA group is summed afterwards).
     void* dk;
     void* dv;

@@ -28,7 +28,6 @@
 #include "mask/mask_head.h"
 #include "sm90/block_ticket.h"
 #include "sm90/bwd_traits.h"
-#include "sm90/group_sum.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
 
@@ -443,23 +442,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             buffer_dk = buffer_dv = reinterpret_cast<Element*>(shared.dq);
         }
         const int row_tile0 = job.n_block * Traits::kConsumerWarpgroups;
-        bool summed = false;  // GQA summed here (group_sum.h): no store
-        if constexpr (Traits::kGroupSum) {
-            if (p.dk_accum != nullptr) {
-                add_to_group<kBlockN, Traits::kHeadDim>(p.dk_accum, acc_dk, mma_kv, ctid, c0, p.sk, p.d, p.hk,
-                                                        job.kv_h, job.b);
-                add_to_group<kBlockN, Traits::kHeadDim>(p.dv_accum, acc_dv, mma_kv, ctid, c0, p.sk, p.d, p.hk,
-                                                        job.kv_h, job.b);
-                summed = true;
-            }
-        }
-        if (!summed) {
-            Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer_dk, row_tile0, job.h, job.b,
-                                           ctid, wg_barrier);
-            Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer_dv, row_tile0, job.h, job.b,
-                                           ctid, wg_barrier);
-            Store::drain(ctid);
-        }
+        Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer_dk, row_tile0, job.h, job.b, ctid,
+                                       wg_barrier);
+        Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer_dv, row_tile0, job.h, job.b, ctid,
+                                       wg_barrier);
+        Store::drain(ctid);
         if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, wg_barrier);
     }
 #endif

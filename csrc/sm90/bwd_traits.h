@@ -22,7 +22,6 @@ struct BwdTraits {
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
     static constexpr bool kPersistent = bwd_tile(kHeadDim).persistent;
-    static constexpr bool kGroupSum = bwd_tile(kHeadDim).group_sum;
     static constexpr int kDqWarps = kDqWarps_;
     static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;

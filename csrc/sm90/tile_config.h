@@ -146,16 +146,7 @@ struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
     bool early_dv, persistent;
     int dq_warps, dq_warps_long;  // dq_warps_long: for Sk >= kBwdLongKeys, 0: dq_warps there too
-    bool group_sum;               // GQA: dK and dV summed over a group inside the kernel (BWD_GQA_SUM)
 };
-// GQA: 1 builds the backward that adds each query head's dK and dV tiles into fp32 accumulators of
-// its key/value head (sm90/group_sum.h) instead of storing them for the binding to sum; the binding
-// then uses it for every non-deterministic GQA backward. Off: at 16 / 2 heads it read as the
-// separate one-pass sum on every D=64 cell and 3-10% slower on sliding window at D=128 (version
-// 40; the backward GPU tests pass with it).
-#ifndef FLASHMASK_SM90_BWD_GQA_SUM
-#define FLASHMASK_SM90_BWD_GQA_SUM 0
-#endif
 #ifndef FLASHMASK_SM90_BWD_M64
 #define FLASHMASK_SM90_BWD_M64 64
 #endif
@@ -215,11 +206,9 @@ constexpr int kBwdDetDown = FLASHMASK_SM90_BWD_DET_DOWN;
 
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
-                                    FLASHMASK_SM90_BWD_PERSISTENT64, FLASHMASK_SM90_BWD_DQ_WARPS64, 0,
-                                    FLASHMASK_SM90_BWD_GQA_SUM != 0}
+                                    FLASHMASK_SM90_BWD_PERSISTENT64, FLASHMASK_SM90_BWD_DQ_WARPS64, 0}
                           : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_PERSISTENT128,
-                                    FLASHMASK_SM90_BWD_DQ_WARPS128, FLASHMASK_SM90_BWD_DQ_WARPS_LONG128,
-                                    FLASHMASK_SM90_BWD_GQA_SUM != 0};
+                                    FLASHMASK_SM90_BWD_DQ_WARPS128, FLASHMASK_SM90_BWD_DQ_WARPS_LONG128};
 }
 
 }  // namespace flashmask::sm90

@@ -256,8 +256,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             p.dq_semaphore = dq_semaphore.data_ptr<int>();
         }
     }
-    // Where the SM90 backward is persistent (the default, tile_config.h), its CTAs draw jobs from
-    // this counter, which the D kernel zeroes (one launch fewer than a fill).
+    // The SM90 backward's persistent CTAs draw jobs from this counter, which the D kernel zeroes
+    // (one launch fewer than a fill).
     at::Tensor job_counter;
     if (sel.kernels->arch == 90) {
         job_counter = at::empty({1}, q.options().dtype(at::kInt));

@@ -49,8 +49,7 @@ struct AttnParams {
     int head_group;
 
     // The SM90 kernels: the jobs in the order of job_list (MaskMeta::jobs), or of the launch order
-    // above where it is nullptr. In the persistent ones job_counter (zero at launch) hands them out;
-    // the others (a backward built with one CTA per job) take them in launch order.
+    // above where it is nullptr; job_counter (zero at launch) hands them out to their persistent CTAs.
     const int* job_list;
     int* job_counter;
 };

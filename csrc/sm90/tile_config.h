@@ -13,11 +13,6 @@ struct FwdTile {
 // Head dim 64 runs three consumer warpgroups (192-row tiles, no pingpong): its GEMMs are half as
 // long next to the same softmax, and a third warpgroup keeps the tensor cores fed (H100: +10-25%
 // on most families at 32K-128K, -10% on global + sliding window; docs/perf_notes.md, version 20).
-// FLASHMASK_SM90_FWD_WG64=2 builds the two-warpgroup pingpong instead (scripts/sweep_variants.sh):
-// 4-15% slower on every family timed in version 40, sliding window included.
-#ifndef FLASHMASK_SM90_FWD_WG64
-#define FLASHMASK_SM90_FWD_WG64 3
-#endif
 // Per consumer warpgroup, from the producer's ticket (block_ticket.h), in three-warpgroup builds
 // (head dim 64; pingpong builds ignore both): FWD_WG_COMPARE, each warpgroup runs the element
 // compare only where its own 64 rows need it; FWD_WG_SKIP, a warpgroup skips the key blocks its
@@ -53,7 +48,7 @@ struct FwdTile {
 // 34, before the tile floor and the decoded jobs). At head dim 128 it does not fit (setmaxnreg_fits),
 // nor in the two-warpgroup build, whose consumers take 240 each.
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS64
-#define FLASHMASK_SM90_FWD_PRODUCER_REGS64 (FLASHMASK_SM90_FWD_WG64 == 2 ? 24 : 32)
+#define FLASHMASK_SM90_FWD_PRODUCER_REGS64 32
 #endif
 #ifndef FLASHMASK_SM90_FWD_PRODUCER_REGS128
 #define FLASHMASK_SM90_FWD_PRODUCER_REGS128 24
@@ -117,9 +112,8 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
     return 128 * producer_registers + consumer_threads * consumer_registers <= threads * (65536 / threads / 8 * 8);
 }
 constexpr FwdTile fwd_tile(int head_dim) {
-    return head_dim <= 64 ? FwdTile{64 * FLASHMASK_SM90_FWD_WG64, 128, FLASHMASK_SM90_FWD_WG64,
-                                    FLASHMASK_SM90_FWD_STAGES64, FLASHMASK_SM90_FWD_Q_STAGES64,
-                                    FLASHMASK_SM90_FWD_PRODUCER_REGS64, FLASHMASK_SM90_FWD_WG64 == 2 ? 240 : 160,
+    return head_dim <= 64 ? FwdTile{192, 128, 3, FLASHMASK_SM90_FWD_STAGES64, FLASHMASK_SM90_FWD_Q_STAGES64,
+                                    FLASHMASK_SM90_FWD_PRODUCER_REGS64, 160,
                                     FLASHMASK_SM90_FWD_DECODE_WARP_KEYS64}
                           // a second Q buffer does not fit at head dim 128
                           : FwdTile{128, 128, 2, 2, 1, FLASHMASK_SM90_FWD_PRODUCER_REGS128, 240,
@@ -140,12 +134,11 @@ constexpr bool fwd_registers_fit(int head_dim) {
 // persistent: one CTA per SM draws jobs (tile_scheduler.h) instead of one CTA per job; at head dim
 // 64 that was 1-9% faster on every family but sliding window (-1%, version 26); at head dim 128 up
 // to 6% slower on the causal families then, 2-5% faster on every family once the consumers no
-// longer walked the bounds themselves (versions 26 and 29, docs/perf_notes.md). One CTA per job
-// stays a tuning switch (FLASHMASK_SM90_BWD_PERSISTENT64/128=false).
+// longer walked the bounds themselves (versions 26 and 29, docs/perf_notes.md).
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
-    bool early_dv, persistent;
-    int dq_warps, dq_warps_long;  // dq_warps_long: for Sk >= kBwdLongKeys, 0: dq_warps there too
+    bool early_dv;
+    int dq_warps;
 };
 #ifndef FLASHMASK_SM90_BWD_M64
 #define FLASHMASK_SM90_BWD_M64 64
@@ -155,12 +148,6 @@ struct BwdTile {
 #endif
 #ifndef FLASHMASK_SM90_BWD_EARLY_DV128
 #define FLASHMASK_SM90_BWD_EARLY_DV128 true
-#endif
-#ifndef FLASHMASK_SM90_BWD_PERSISTENT64
-#define FLASHMASK_SM90_BWD_PERSISTENT64 true
-#endif
-#ifndef FLASHMASK_SM90_BWD_PERSISTENT128
-#define FLASHMASK_SM90_BWD_PERSISTENT128 true
 #endif
 // dq_warps: warps of the producer warpgroup that add dQ tiles to the accumulator, taking a job's
 // visible query blocks in turn. In deterministic mode each holds its block's turn until the addition
@@ -176,39 +163,11 @@ struct BwdTile {
 #ifndef FLASHMASK_SM90_BWD_DQ_WARPS128
 #define FLASHMASK_SM90_BWD_DQ_WARPS128 2
 #endif
-// Off: at head dim 128 a second build of the backward with this many dQ warps, launched where
-// Sk >= FLASHMASK_SM90_BWD_LONG_KEYS. Timed in version 38 (GPU tests passed on it) before the
-// deterministic launch order was fixed: its readings moved with that order's spread from call to
-// call, and the atomic backward lost 0-2%; not re-timed with the fixed order. 0: one build.
-#ifndef FLASHMASK_SM90_BWD_DQ_WARPS_LONG128
-#define FLASHMASK_SM90_BWD_DQ_WARPS_LONG128 0
-#endif
-#ifndef FLASHMASK_SM90_BWD_LONG_KEYS
-#define FLASHMASK_SM90_BWD_LONG_KEYS 65536
-#endif
-constexpr int kBwdLongKeys = FLASHMASK_SM90_BWD_LONG_KEYS;
-
-// Deterministic backward: the direction in which a key block walks its query blocks. The key blocks
-// of a query block add in increasing order; walking up, the key block below reaches a query block
-// it shares with this one two steps later than this one (a band: sliding window) or with it (a
-// triangle: causal), which chains the ends of a head's jobs; walking down, before or with it. But
-// where query block 0 is seen by every key block (global tokens), each job walking down would end
-// waiting there for the one before. 0: up; 1: down; 2: down unless the last key block sees query
-// block 0, the same choice for every job of a head: jobs of both directions side by side wait for
-// each other's whole walks (docs/perf_notes.md, version 35). 3 (prepared, not run on a GPU): as 2,
-// and up where key block 0 is seen by the last query block too (a causal head, a prefix, a shared
-// question), which walked up read 4-26% faster at 128K but 4-15% slower at 8K (version 36, runs 8
-// and 9; version 35, run 5). The atomic backward walks up.
-#ifndef FLASHMASK_SM90_BWD_DET_DOWN
-#define FLASHMASK_SM90_BWD_DET_DOWN 2
-#endif
-constexpr int kBwdDetDown = FLASHMASK_SM90_BWD_DET_DOWN;
 
 constexpr BwdTile bwd_tile(int head_dim) {
     return head_dim <= 64 ? BwdTile{FLASHMASK_SM90_BWD_M64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV64,
-                                    FLASHMASK_SM90_BWD_PERSISTENT64, FLASHMASK_SM90_BWD_DQ_WARPS64, 0}
-                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_PERSISTENT128,
-                                    FLASHMASK_SM90_BWD_DQ_WARPS128, FLASHMASK_SM90_BWD_DQ_WARPS_LONG128};
+                                    FLASHMASK_SM90_BWD_DQ_WARPS64}
+                          : BwdTile{64, 128, 2, 2, FLASHMASK_SM90_BWD_EARLY_DV128, FLASHMASK_SM90_BWD_DQ_WARPS128};
 }
 
 }  // namespace flashmask::sm90

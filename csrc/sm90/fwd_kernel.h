@@ -70,7 +70,7 @@ struct TileJob {
     }
 };
 
-// kDecodeWarp: a second producer warp draws and decodes each job one ahead (FWD_DECODE_WARP_KEYS).
+// kDecodeWarp: a second producer warp draws and decodes each job one ahead (FwdTile::decode_warp_keys).
 template <typename Traits, bool Is_causal, int kMaskC, typename Args, bool kDecodeWarp>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -84,12 +84,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     using Job = TileJob<Traits, Is_causal, Has_mask>;
     constexpr int kBlockN = Traits::kBlockN;
     using Ticket = GroupTicket<kWarpgroups>;
-    // tile_config.h. Skipping needs the warpgroups to issue freely: pingpong turns must pair up.
-    constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE && !Barriers::kPingpong;
-    constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
-    constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
-    constexpr bool kStaleMax =
-        (Traits::kHeadDim <= 64 ? FLASHMASK_SM90_FWD_STALE_MAX64 : FLASHMASK_SM90_FWD_STALE_MAX128) != 0;
+    constexpr bool kSkip = Traits::kGroupSight;  // each warpgroup skips the blocks its rows do not see
+    constexpr bool kStaleMax = Traits::kStaleMax;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -192,12 +188,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
                 }
                 ++state_q;
-                int sight = Ticket::template sight<kSight>(walk, n_block, bnd);
-                Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
+                int sight = Ticket::template sight<Traits::kGroupSight>(walk, n_block, bnd);
+                Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
                 while (n_block >= 0) {
                     bnd = walk.bounds_of(n_block - 1);
                     const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
-                    sight = n_next >= 0 ? Ticket::template sight<kSight>(walk, n_next, bnd) : 0;
+                    sight = n_next >= 0 ? Ticket::template sight<Traits::kGroupSight>(walk, n_next, bnd) : 0;
                     ticket.set_next(sight, n_next < 0);
                     // The block's ring slot, filled before the arrival on its K stage publishes it.
                     const int slot = queued % Traits::kSlots;
@@ -220,7 +216,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     ++state;
                     ++queued;
                     n_block = n_next;
-                    if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
+                    if (n_block >= 0) ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
                 }
             }
             job = next_job(/*first=*/false, n_block);
@@ -300,7 +296,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             Tensor s_rc = rowcol(acc_s);
             const TileCompare cmp = ticket.compare(cwg);
             if (cmp.any) {
-                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/false, FLASHMASK_SM90_FWD_QUARTERS != 0>(
+                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/false, Traits::kCompareByQuarters>(
                     s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot],
                     ticket.tight());
             }

@@ -49,7 +49,7 @@ __device__ __forceinline__ FwdSlot load_slot(const volatile FwdSlot& from) {
     return {from.x, {from.job.m_block, from.job.h, from.job.b}, from.visible};
 }
 
-// FWD_DECODE_WARP_KEYS (tile_config.h): the producer's decode warp draws and decodes each job one ahead
+// FwdTile::decode_warp_keys (tile_config.h): the producer's decode warp draws and decodes each job one ahead
 // of its load warp and passes it on through a one-job slot guarded by two mbarriers of one
 // arrival each: `full` (a job is in) and `empty` (the load warp has read it).
 struct JobHandOver {

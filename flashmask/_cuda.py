@@ -97,9 +97,7 @@ def compiled_archs(head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
 def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd") -> int:
     """The architecture family a call with q would run on (raises like the call would).
 
-    slot: "fwd", "bwd" or "bwd_deterministic". A family's kernel marked slower than an older
-    family's (csrc/instantiations.py, auto=False) runs only when its family is named; a slot a
-    family lacks runs on an older one.
+    slot: "fwd", "bwd" or "bwd_deterministic". A slot a family lacks runs on an older one.
     """
     if slot not in ("fwd", "bwd", "bwd_deterministic"):
         raise ValueError(f"slot must be 'fwd', 'bwd' or 'bwd_deterministic', got {slot!r}")

@@ -23,7 +23,6 @@ struct KernelSet {
     FwdFn fwd;
     BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
     BwdFn bwd_dq;  // deterministic dQ
-    unsigned auto_slots;  // bit i: slot i (fwd, bwd_kv, bwd_dq) may be chosen when no family is named
 };
 
 // Tile sizes a kernel set walks with: the binding sizes the mask bounds, the tile work and the dQ

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
+
+#include "api/overrides.h"
 
 namespace flashmask {
 
@@ -30,12 +30,12 @@ inline int choose_num_splits(int ctas, int n_key_blocks) {
 // one head at a time). The SM90 kernels with a mask start their jobs in the order of the mask's job
 // list instead (MaskMeta::jobs: heaviest first, then head by head), except the deterministic
 // backward, which from kTurnListKeys keys with a mask takes a list in its launch order whose head
-// grouping the mask decides (compute_turn_jobs in mask_cache.cpp). FLASHMASK_HEAD_GROUP overrides
-// the choice, and the deterministic backward then takes no list (tuning and tests).
-inline bool head_group_forced() { return std::getenv("FLASHMASK_HEAD_GROUP") != nullptr; }
+// grouping the mask decides (compute_turn_jobs in mask_cache.cpp). Overrides::head_group pins the
+// choice, and the deterministic backward then takes no list (tests).
+inline bool head_group_forced() { return overrides().head_group > 0; }
 inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
-    if (const char* env = std::getenv("FLASHMASK_HEAD_GROUP")) {
-        int g = std::max(1, std::min(hq, std::atoi(env)));
+    if (head_group_forced()) {
+        int g = std::min(hq, overrides().head_group);
         while (hq % g) --g;
         return g;
     }
@@ -46,17 +46,11 @@ inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     return g;
 }
 
-// Whether the SM90 forward runs its build with a decode warp (sm90/tile_config.h,
-// FWD_DECODE_WARP_KEYS): from `keys` keys, never where `keys` is 0 (not built).
-// FLASHMASK_SM90_DECODE_WARP=0 or 1 forces the choice where it is built (tests, tuning).
+// Whether the SM90 forward runs its build with a decode warp (FwdTile::decode_warp_keys): from `keys`
+// keys, never where `keys` is 0 (not built). Overrides::decode_warp pins it where it is built (tests).
 inline bool use_decode_warp(int sk, int keys) {
     if (keys <= 0) return false;
-    if (const char* env = std::getenv("FLASHMASK_SM90_DECODE_WARP")) {
-        const std::string value(env);
-        TORCH_CHECK(value == "0" || value == "1", "flashmask: FLASHMASK_SM90_DECODE_WARP must be 0 or 1, got '",
-                    value, "'");
-        return value == "1";
-    }
+    if (overrides().decode_warp >= 0) return overrides().decode_warp == 1;
     return sk >= keys;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "api/launch_policy.h"
+#include "api/overrides.h"
 #include "mask/bounds.h"
 
 namespace flashmask {
@@ -95,13 +96,19 @@ bool capturing(cudaStream_t stream) {
     return status != cudaStreamCaptureStatusNone;
 }
 
-bool cache_disabled_by_env() {
-    const char* e = std::getenv("FLASHMASK_MASK_CACHE");
-    if (e == nullptr) return false;
-    for (const char* off : {"0", "false", "no", "off", "False", "FALSE", "OFF", "No", "NO"}) {
-        if (std::strcmp(e, off) == 0) return true;
-    }
-    return false;
+// FLASHMASK_MASK_CACHE is read once, at the first call with a mask: 0, false, no or off turn the
+// cache off. Overrides::mask_cache pins it (tests).
+bool cache_enabled() {
+    static const bool by_env = [] {
+        const char* e = std::getenv("FLASHMASK_MASK_CACHE");
+        if (e == nullptr) return true;
+        for (const char* off : {"0", "false", "no", "off", "False", "FALSE", "OFF", "No", "NO"}) {
+            if (std::strcmp(e, off) == 0) return false;
+        }
+        return true;
+    }();
+    const int pinned = overrides().mask_cache;
+    return pinned >= 0 ? pinned != 0 : by_env;
 }
 
 at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block_n, cudaStream_t stream) {
@@ -212,7 +219,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.
-    if (cache_disabled_by_env() || !impl->version_counter().enabled() || capturing(stream)) {
+    if (!cache_enabled() || !impl->version_counter().enabled() || capturing(stream)) {
         complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, stream);
         return m;
     }

@@ -29,6 +29,7 @@ struct KernelSet {
 // accumulator with them.
 struct TileSizes {
     int fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n;
+    int fwd_decode_warp_keys = 0;  // the SM90 forward's decode warp from this Sk (0: not built)
 };
 
 struct Selection {

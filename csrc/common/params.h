@@ -26,6 +26,7 @@ struct AttnParams {
     int mask_c, hm, q_per_mask_head;  // q_per_mask_head = Hq / Hm
     int n_key_blocks;
     bool causal;
+    bool decode_warp;  // the SM90 forward runs its build with a decode warp, where built (the binding decides)
 
     // Split-KV (Flash-Decoding): with num_splits > 1 the key blocks of a query tile are shared out
     // among num_splits CTAs, each writing a normalised partial output and its LSE (-inf where

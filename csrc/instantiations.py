@@ -42,7 +42,7 @@ ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 12
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # nvcc flags of every translation unit; setup.py adds one -gencode per arch, and
-# scripts/compile_check.py compiles single units with them to read ptxas's report.
+# tools/compile_check.py compiles single units with them to read ptxas's report.
 NVCC_FLAGS: Tuple[str, ...] = ("-O3", "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                                "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",

@@ -43,10 +43,9 @@ bool has(const KernelSet& k, Slot slot) {
     }
 }
 
-// Numbers in error messages go through std::to_string, never through c10::str's ostream: built
-// by a g++ newer than the libstdc++ it runs with (the H100 machine's /opt/gcc), the extension
-// carries its own copy of ostream's integer insertion, and streaming an int there crashed the
-// process (cuda-gdb: SIGSEGV in basic_ostream::_M_insert<long> under TORCH_CHECK).
+// Numbers in error messages go through std::to_string, never through c10::str's ostream: built by
+// a g++ newer than the libstdc++ it runs with, the extension carries its own copy of ostream's
+// integer insertion, and streaming an int there crashes the process inside TORCH_CHECK.
 std::string join(const std::vector<int64_t>& xs) {
     std::string s;
     for (int64_t x : xs) s += (s.empty() ? "" : ", ") + std::to_string(x);

@@ -49,8 +49,8 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
 // call of the process); 80 or 90 asks for that family and raises if it is not compiled or the
 // device cannot run it.
 // `slot` says which kernels the call needs: the forward, the backward with atomic dQ, or the
-// deterministic backward. A forced family that lacks them (the SM90 one has no deterministic
-// backward yet) leaves the call to the newest family that has them.
+// deterministic backward. A forced family that lacks them leaves the call to the newest family that
+// has them.
 enum class Slot { fwd, bwd, bwd_deterministic };
 Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot);
 

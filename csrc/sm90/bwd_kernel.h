@@ -67,11 +67,8 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 // block's semaphore holds one more than the last key block that added to it (0: none yet); a key
 // block waits there for the key block below it that sees the query block (QueryBlockWalk::
 // previous_visitor) and then writes its own number. Key blocks that do not see a query block never
-// touch its semaphore: an earlier design counted turns, which every key block had to pass at every
-// query block, so that a document's key blocks waited for every earlier document's jobs to pass
-// theirs (docs/perf_notes.md, version 35). Deterministic jobs walk their query blocks downwards
-// where that shortens the waits (KeyJob). (Key blocks adding in decreasing
-// order, drawn in that order, measured 1.3-1.4x slower on causal masks at head dim 128: version 23.)
+// touch its semaphore, so that a document's key blocks never wait for another document's jobs.
+// Deterministic jobs walk their query blocks downwards where that shortens the waits (KeyJob).
 __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
     for (;;) {
         int v;
@@ -143,7 +140,7 @@ __device__ bool dq_warp(const BwdParams& p, const Job& job, float* smem_dq, int 
 template <typename Traits, bool Is_causal, bool Has_mask>
 struct KeyJob {
     int n_block, h, b, kv_h, c0, m_end, m_first;
-    bool down;  // walks its query blocks downwards (deterministic mode: see the constructor)
+    bool down;  // walks its query blocks downwards (deterministic mode, below)
     MaskHead mask;
     QueryBlockWalk<Traits::kBlockM, Traits::kBlockN, Is_causal, Has_mask> walk;
 
@@ -152,9 +149,13 @@ struct KeyJob {
           m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), down(p.dq_semaphore != nullptr),
           mask(mask_head(p, job.b, job.h)),
           walk{Has_mask ? mask.bounds + job.n_block * kNumBounds : nullptr, c0, p.sq, p.sk, p.sk - p.sq, m_end} {
+        // The deterministic walk's direction, one per head (jobs of both directions side by side
+        // would wait for each other's whole walks). Down: the key block below reaches a query block
+        // the two share before or with this one, where walking up it comes two steps later on a
+        // band and chains the ends of the head's jobs. But where the last key block sees query
+        // block 0 (global tokens, or no mask), every key block shares it, and each job walking down
+        // would end waiting there for the one before: such heads walk up, as the atomic backward does.
         if (down) {
-            // Query block 0 seen by the last key block (global tokens, or no mask at all) is shared
-            // by every key block: walking down, each job would end waiting for the one before.
             const auto last_walk = walk_of(p, (p.sk - 1) / Traits::kBlockN);
             down = last_walk.visible_at_or_above(last_walk.begin()) != 0;
         }
@@ -298,8 +299,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
     // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
-    // rows (an element-wise copy took a generic 16-bit store, a byte permute and 64-bit address
-    // arithmetic per element: docs/perf_notes.md, version 27).
+    // rows (an element-wise copy takes a generic 16-bit store, a byte permute and 64-bit address
+    // arithmetic per element).
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
     Tensor tDSsdSt = thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));

@@ -161,9 +161,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         auto state_q = cutlass::make_producer_start_state<PipelineQ>();
         int queued = 0;  // ring slots filled, over all jobs
         // Each job's first block is found when the job is drawn, before it is published, and
-        // carried into its turn here. The loads are written in the loop, not in a lambda: with
-        // them in a [&] lambda, ptxas guarded the head dim 128 consumers' code with 90 runtime
-        // traps (BPT.TRAP, cuobjdump) and that forward ran 6-10% slower on every family.
+        // carried into its turn here. The loads are written in the loop, not in a [&] lambda, in
+        // which ptxas guarded the head dim 128 consumers' code with runtime traps.
         int n_block;
         FwdSlot job = next_job(/*first=*/true, n_block);
         scheduler.publish(job, shared.next_job, /*after_first=*/false);
@@ -283,9 +282,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         // The first block alone, then each next block's S = Q K^T is issued together with the
         // previous block's O += P V, one batch for the tensor cores. The source waits for that
         // P V only after the new S's softmax, but ptxas moves the wait up to the top of its basic
-        // block (in SASS the softmax follows both waits, every forward kernel); held below the
-        // softmax it ran 10-15% slower (docs/perf_notes.md, version 42). Another warpgroup's
-        // GEMMs run under this one's softmax.
+        // block (forcing it below the softmax was slower). Another warpgroup's GEMMs run under
+        // this one's softmax.
         Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
         Tensor rP = make_tensor<Element>(acc_s.layout());
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
@@ -302,13 +300,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             }
             if constexpr (kStaleMax) {
                 // The P V before reads P, which this writes. Waiting here rather than before the
-                // compare lets a partial block's compare run under that P V (H100: document 8K +4%,
-                // the window families +1%; docs/perf_notes.md, version 46).
+                // compare lets a partial block's compare run under that P V.
                 warpgroup_wait<0>();
                 Tensor p_rc = rowcol(rP);
                 // A block not kept at the running max goes round once more at the raised max: one
-                // copy of the exponentials in the loop's code, not two (version 46: with two, the
-                // window families and most 8K cells ran 2-8% slower).
+                // copy of the exponentials in the loop's code, not two (a second copy ran slower).
                 rescale = false;
                 bool force = false;
 #pragma unroll 1

@@ -1,5 +1,5 @@
 // Tile shapes and tuning choices of the SM90 kernels, readable from plain C++ (the registry, a CPU
-// test) and from the kernels. The measurements behind each choice are in docs/dev/perf_notes.md.
+// test) and from the kernels.
 #pragma once
 
 namespace flashmask::sm90 {
@@ -37,7 +37,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
         t.consumer_warpgroups = 3;
         t.block_m = 192;
         t.stages = 4;    // the three warpgroups work up to two blocks apart; a stage frees once all are done
-        t.q_stages = 2;  // short jobs (a window's few blocks) no longer wait for their Q
+        t.q_stages = 2;  // short jobs (a window's few blocks) do not wait for their Q
         t.producer_registers = 32;  // 24 made the block walk spill; 128 * 32 + 384 * 160 still fits
         t.consumer_registers = 160;
         t.decode_warp_keys = 65536;  // hides each job's dependent loads, which only long keys expose

@@ -25,11 +25,12 @@ inline int choose_num_splits(int ctas, int n_key_blocks) {
 // jobs weigh the same, and fewer heads in flight means more CTAs of one head streaming the same
 // K/V (forward) or Q/dO (backward) blocks together: the largest divisor of hq whose heads stream
 // at most half of L2. A mask makes some jobs far heavier (global tokens, long documents); only
-// interleaving all heads starts the heaviest of every head first. The SM90 kernels with a mask start their jobs in the order of the mask's job
-// list instead (MaskMeta::jobs: heaviest first, then head by head), except the deterministic
-// backward, which from kTurnListKeys keys with a mask takes a list in its launch order whose head
-// grouping the mask decides (compute_turn_jobs in mask_cache.cpp). Overrides::head_group pins the
-// choice, and the deterministic backward then takes no list (tests).
+// interleaving all heads starts the heaviest of every head first. The SM90 kernels with a mask
+// start their jobs in the order of the mask's job list instead (MaskMeta::jobs: heaviest first,
+// then head by head), except the deterministic backward, which from kTurnListKeys keys with a mask
+// takes a list in its launch order whose head grouping the mask decides (compute_turn_jobs in
+// mask_cache.cpp). Overrides::head_group pins the choice, and the deterministic backward then
+// takes no list (tests).
 inline bool head_group_forced() { return overrides().head_group > 0; }
 inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     if (head_group_forced()) {

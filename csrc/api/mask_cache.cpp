@@ -158,10 +158,10 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
 // after the key block below it that sees it, so each head's key blocks must start in ascending
 // order; heads are interleaved `group` at a time (job_and_head's launch order). The group is
 // chosen on the device, with no host sync, from the mean share of query rows that see a key block.
-// Long walks take kTurnFewHeads, so that the heads in flight keep their Q, dO and dQ in L2 (with every
-// head interleaved the calls also varied widely); short ones take every head: a band walked upwards
-// (global + sliding window) makes each key block wait two blocks behind the one below it, a chain
-// as long as the head's key blocks in flight, and only many heads fill the GPU around such chains.
+// Long walks take kTurnFewHeads, so that the heads in flight keep their Q, dO and dQ in L2; short
+// ones take every head: a band walked upwards (global + sliding window) makes each key block wait
+// two blocks behind the one below it, a chain as long as the head's key blocks in flight, and only
+// many heads fill the GPU around such chains.
 at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int sq, int block_m) {
     const int n = work.size(1);
     const auto launch_order = [&](int group) {

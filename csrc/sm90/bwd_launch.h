@@ -1,7 +1,6 @@
 // Launch layer of the SM90 backward: TMA descriptors of Q, dO, K, V, dK and dV over their real
-// strides, the persistent grid, then the dQ conversion. p.dq_accum must be
-// zeroed fp32 [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order,
-// bwd_kernel.h).
+// strides, the persistent grid, then the dQ conversion. p.dq_accum must be zeroed fp32
+// [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order, bwd_kernel.h).
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>

@@ -21,9 +21,6 @@ class Kernel(NamedTuple):
     header: str  # the launch header, relative to csrc/
     function: str  # the launch template, called as function<head_dim, element>(params, stream)
     params: str  # the parameter struct it takes
-    # Chosen when the call names no family (backend="cuda"); False keeps a kernel that is slower than
-    # an older family's for backend="sm90" / FLASHMASK_ARCH only.
-    auto: bool = True
 
 
 # Kernels per architecture family. "sm80" (mma.sync, cp.async) also runs on sm_90; "sm90" kernels
@@ -36,7 +33,6 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
     },
     "sm90": {
         "fwd": Kernel("sm90/fwd_launch.h", "sm90::run_fwd", "AttnParams"),
-        # H100: 1.20-1.45x the SM80 backward at D=128, 1.01-1.26x at D=64 (docs/perf_notes.md, version 21).
         "bwd_kv": Kernel("sm90/bwd_launch.h", "sm90::run_bwd", "BwdParams"),
     },
 }
@@ -46,7 +42,7 @@ ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 12
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # nvcc flags of every translation unit; setup.py adds one -gencode per arch, and
-# scripts/compile_check.py compiles single units with them to read ptxas's report.
+# tools/compile_check.py compiles single units with them to read ptxas's report.
 NVCC_FLAGS: Tuple[str, ...] = ("-O3", "--use_fast_math", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                                "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
@@ -106,13 +102,10 @@ def _registry(insts: Sequence[Instantiation]) -> str:
     lines.append("\nconst KernelSet kKernelSets[] = {\n")
     groups = sorted({(i.arch, i.head_dim, i.dtype) for i in insts}, key=lambda g: (g[0], g[1], g[2]))
     for arch, d, t in groups:
-        slots, auto = [], 0
-        for bit, s in enumerate(SLOTS):
-            have = Instantiation(arch, s, d, t) in insts
-            slots.append(f"&{Instantiation(arch, s, d, t).symbol}" if have else "nullptr")
-            auto |= (1 << bit) if have and KERNELS[arch][s].auto else 0
-        lines.append(f"    {{{ARCH_MIN_CC[arch]}, {d}, DType::{t}, {', '.join(slots)}, {auto}}},\n")
-    lines.append("    {0, 0, DType::fp16, nullptr, nullptr, nullptr, 0},  // sentinel: a build may compile nothing\n};\n")
+        slots = [f"&{Instantiation(arch, s, d, t).symbol}" if Instantiation(arch, s, d, t) in insts else "nullptr"
+                 for s in SLOTS]
+        lines.append(f"    {{{ARCH_MIN_CC[arch]}, {d}, DType::{t}, {', '.join(slots)}}},\n")
+    lines.append("    {0, 0, DType::fp16, nullptr, nullptr, nullptr},  // sentinel: a build may compile nothing\n};\n")
     return "".join(lines)
 
 

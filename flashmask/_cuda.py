@@ -6,10 +6,11 @@ together. Plain eager calls take :func:`attention`'s shorter path to the same ke
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -97,9 +98,7 @@ def compiled_archs(head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
 def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd") -> int:
     """The architecture family a call with q would run on (raises like the call would).
 
-    slot: "fwd", "bwd" or "bwd_deterministic". A family's kernel marked slower than an older
-    family's (csrc/instantiations.py, auto=False) runs only when its family is named; a slot a
-    family lacks runs on an older one.
+    slot: "fwd", "bwd" or "bwd_deterministic". A slot a family lacks runs on an older one.
     """
     if slot not in ("fwd", "bwd", "bwd_deterministic"):
         raise ValueError(f"slot must be 'fwd', 'bwd' or 'bwd_deterministic', got {slot!r}")
@@ -124,7 +123,8 @@ def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
 
 # The binding caches each mask's metadata (per-key-block bounds, the forward's tile order) keyed
 # on the mask tensor and its version counter, so that the layers of a step and their backward
-# reuse it (csrc/api/mask_cache.h). Environment variable FLASHMASK_MASK_CACHE=0 turns it off.
+# reuse it (csrc/api/mask_cache.h). Environment variable FLASHMASK_MASK_CACHE=0 turns it off (read once
+# per process, at the first call with a mask).
 # Call these outside torch.compile-traced code: Dynamo cannot trace into the pybind11 functions.
 @torch.compiler.disable
 def mask_cache_stats() -> Tuple[int, int]:
@@ -142,6 +142,26 @@ def clear_mask_cache() -> None:
     the counts of :func:`mask_cache_stats`."""
     if _C is not None and hasattr(_C, "mask_cache_clear"):
         _C.mask_cache_clear()
+
+
+@contextlib.contextmanager
+def _overrides(head_group: Optional[int] = None, decode_warp: Optional[int] = None,
+               mask_cache: Optional[int] = None) -> Iterator[None]:
+    """Tests only: pin choices the kernels' binding otherwise makes itself, for the calls inside the
+    block; None leaves a choice as it is, 0 (head_group) or -1 (the others) gives it back to the
+    library. head_group: heads interleaved per launch (rounded down to a divisor of Hq);
+    decode_warp: 0 / 1 runs the SM90 forward without / with its decode warp where that build
+    exists; mask_cache: 0 / 1 turns the mask metadata cache off / on. Process-wide, not per
+    thread; the previous values come back on exit."""
+    if _C is None:
+        raise RuntimeError(unavailable_reason())
+    previous = _C._set_overrides()  # every choice the library's for a moment; returns those pinned
+    try:
+        wanted = (head_group, decode_warp, mask_cache)
+        _C._set_overrides(*(p if w is None else w for p, w in zip(previous, wanted)))
+        yield
+    finally:
+        _C._set_overrides(*previous)
 
 
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")

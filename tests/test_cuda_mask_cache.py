@@ -1,6 +1,11 @@
 """The binding's mask metadata cache (csrc/api/mask_cache.*): reuse across layers and backward, no
-stale reuse after an in-place change, FLASHMASK_MASK_CACHE=0, strided masks, CUDA graph capture.
-GPU only; every call forces backend="cuda"."""
+stale reuse after an in-place change, turning it off (FLASHMASK_MASK_CACHE=0, read once per process,
+or the private override), strided masks, CUDA graph capture. GPU only; every call forces
+backend="cuda"."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -29,11 +34,12 @@ def _dtype():
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(monkeypatch):
-    monkeypatch.delenv("FLASHMASK_MASK_CACHE", raising=False)
-    _cuda.clear_mask_cache()
-    yield
-    _cuda.clear_mask_cache()
+def fresh_cache():
+    # The cache on, whatever FLASHMASK_MASK_CACHE said when the process started.
+    with _cuda._overrides(mask_cache=1):
+        _cuda.clear_mask_cache()
+        yield
+        _cuda.clear_mask_cache()
 
 
 def qkv():
@@ -90,7 +96,7 @@ def assert_doc2_rows_empty(out, lse):
     assert torch.isinf(lse[:, :, DOC2]).all() and (out[:, DOC2] == 0).all()
 
 
-def test_layers_and_backward_reuse_the_metadata(monkeypatch):
+def test_layers_and_backward_reuse_the_metadata():
     mask = masks.causal_document(S, DOCS, batch_size=B, device="cuda")
     layers = [qkv() for _ in range(3)]
     douts = [torch.randn_like(q) for q, _, _ in layers]
@@ -117,8 +123,8 @@ def test_layers_and_backward_reuse_the_metadata(monkeypatch):
         assert_close_to_reference(out, lse, q, k, v, mask, True)
     assert_grads_close(grads2[:3], *layers[0], mask, True, douts[0])
     # The cached path gives the bits of the uncached one (deterministic backward).
-    monkeypatch.setenv("FLASHMASK_MASK_CACHE", "0")
-    outs3, grads3, _ = step()
+    with _cuda._overrides(mask_cache=0):
+        outs3, grads3, _ = step()
     for (o2, l2), (o3, l3) in zip(outs2, outs3):
         assert torch.equal(o2, o3) and torch.equal(l2, l3)
     for g2, g3 in zip(grads2, grads3):
@@ -192,20 +198,50 @@ def test_dropped_mask_is_not_reused_at_the_same_address():
     assert_close_to_reference(out, lse, q, k, v, mask, True)
 
 
-def test_env_switch_turns_the_cache_off(monkeypatch):
+def test_override_turns_the_cache_off():
     mask = masks.document(S, DOCS, batch_size=B, device="cuda")
     q, k, v = qkv()
     dout = torch.randn_like(q)
-    monkeypatch.setenv("FLASHMASK_MASK_CACHE", "0")
-    out, lse, grads = fwd_bwd(q, k, v, mask, False, dout)
-    fwd_bwd(q, k, v, mask, False, dout)
+    with _cuda._overrides(mask_cache=0):
+        out, lse, grads = fwd_bwd(q, k, v, mask, False, dout)
+        fwd_bwd(q, k, v, mask, False, dout)
     assert _cuda.mask_cache_stats() == (0, 0)
     assert_close_to_reference(out, lse, q, k, v, mask, False)
     assert_grads_close(grads, q, k, v, mask, False, dout)
-    monkeypatch.delenv("FLASHMASK_MASK_CACHE")
     attend(q, k, v, mask, False)
     attend(q, k, v, mask, False)
     assert _cuda.mask_cache_stats() == (1, 1)
+
+
+_ENV_SCRIPT = """
+import os
+import torch
+import flashmask
+import masks
+from flashmask import _cuda
+mask = masks.document({s}, {docs}, batch_size={b}, device="cuda")
+q = torch.randn({b}, {s}, {hq}, {d}, device="cuda", dtype=torch.{dtype})
+k = torch.randn({b}, {s}, {hk}, {d}, device="cuda", dtype=torch.{dtype})
+for _ in range(2):
+    flashmask.flashmask_attention(q, k, k, mask, causal=False, backend="cuda")
+# Read once, at the first call with a mask: changing it now changes nothing.
+os.environ["FLASHMASK_MASK_CACHE"] = "1" if os.environ.get("FLASHMASK_MASK_CACHE") == "0" else "0"
+flashmask.flashmask_attention(q, k, k, mask, causal=False, backend="cuda")
+print(*_cuda.mask_cache_stats())
+"""
+
+
+@pytest.mark.parametrize("value,stats", [("0", "0 0"), ("off", "0 0"), (None, "2 1"), ("1", "2 1")])
+def test_environment_variable(value, stats):
+    """FLASHMASK_MASK_CACHE is read once per process, so each value gets a fresh interpreter."""
+    script = _ENV_SCRIPT.format(s=S, docs=DOCS, b=B, hq=HQ, hk=HK, d=_d(), dtype=str(_dtype()).replace("torch.", ""))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # `python -c` imports from its cwd
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMASK_MASK_CACHE"}
+    if value is not None:
+        env["FLASHMASK_MASK_CACHE"] = value
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == stats
 
 
 def _strided(mask, layout):

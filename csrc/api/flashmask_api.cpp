@@ -6,13 +6,14 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "api/launch_policy.h"
 #include "api/mask_cache.h"
+#include "api/overrides.h"
 #include "api/registry.h"
 #include "common/row_kernels.h"
 
@@ -145,6 +146,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     p.lse = lse.data_ptr<float>();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.num_splits = int(num_splits);
+    p.decode_warp = use_decode_warp(p.sk, sel.tiles.fwd_decode_warp_keys);
     // The K and V of a GQA group are shared by its query heads.
     p.head_group = choose_head_group(hq, int64_t(2) * p.sk * d * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
     at::Tensor o_partial, lse_partial;
@@ -228,20 +230,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         p.lse_log2 = lse_log2.data_ptr<float>();
     }
 
-    // GQA: each query head writes its own dK, dV slice and the group is summed below; or, in a build
-    // whose backward sums groups itself (FLASHMASK_SM90_BWD_GQA_SUM, off by default), it adds every
-    // head's tiles into fp32 accumulators of the group (sm90/group_sum.h), not in deterministic mode.
+    // GQA: each query head writes its own dK, dV slice and the group is summed below.
     const bool expand = hq != hk;
-    const bool sum_in_kernel = expand && sel.tiles.bwd_group_sum && !deterministic;
-    at::Tensor dk_sum, dv_sum;
-    if (sum_in_kernel) {
-        dk_sum = at::zeros({b, sk, hk, d}, k.options().dtype(at::kFloat));
-        dv_sum = at::zeros({b, sk, hk, d}, v.options().dtype(at::kFloat));
-        p.dk_accum = dk_sum.data_ptr<float>();
-        p.dv_accum = dv_sum.data_ptr<float>();
-    }
-    at::Tensor dk_h = expand && !sum_in_kernel ? at::empty({b, sk, hq, d}, k.options()) : dk;
-    at::Tensor dv_h = expand && !sum_in_kernel ? at::empty({b, sk, hq, d}, v.options()) : dv;
+    at::Tensor dk_h = expand ? at::empty({b, sk, hq, d}, k.options()) : dk;
+    at::Tensor dv_h = expand ? at::empty({b, sk, hq, d}, v.options()) : dv;
     p.dk = dk_h.data_ptr();
     p.dv = dv_h.data_ptr();
     set_strides(dk_h, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
@@ -266,8 +258,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             p.dq_semaphore = dq_semaphore.data_ptr<int>();
         }
     }
-    // Where the SM90 backward is persistent (the default, tile_config.h), its CTAs draw jobs from
-    // this counter, which the D kernel zeroes (one launch fewer than a fill).
+    // The SM90 backward's persistent CTAs draw jobs from this counter, which the D kernel zeroes
+    // (one launch fewer than a fill).
     at::Tensor job_counter;
     if (sel.kernels->arch == 90) {
         job_counter = at::empty({1}, q.options().dtype(at::kInt));
@@ -279,15 +271,30 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);
     if (dq_kernel) sel.kernels->bwd_dq(p, stream);
-    if (sum_in_kernel) {
-        dk.copy_(dk_sum);
-        dv.copy_(dv_sum);
-    } else if (expand) {
+    if (expand) {
         // One pass: the reduction accumulates the half-precision slices in fp32 and rounds once.
         at::sum_out(dk, dk_h.view({b, sk, hk, hq / hk, d}), 3);
         at::sum_out(dv, dv_h.view({b, sk, hk, hq / hk, d}), 3);
     }
     return {dq, dk, dv};
+}
+
+// Pins choices the library otherwise makes itself (api/overrides.h), for the tests; returns the
+// previous (head_group, decode_warp, mask_cache).
+std::tuple<int64_t, int64_t, int64_t> set_overrides(int64_t head_group, int64_t decode_warp, int64_t mask_cache) {
+    TORCH_CHECK(head_group >= 0 && head_group <= (int64_t(1) << 30),
+                "flashmask: head_group must be 0 (the library's choice) or a positive head count, got ",
+                num_str(head_group));
+    TORCH_CHECK(decode_warp >= -1 && decode_warp <= 1,
+                "flashmask: decode_warp must be -1 (the library's choice), 0 or 1, got ", num_str(decode_warp));
+    TORCH_CHECK(mask_cache >= -1 && mask_cache <= 1,
+                "flashmask: mask_cache must be -1 (the library's choice), 0 or 1, got ", num_str(mask_cache));
+    Overrides& o = overrides();
+    const std::tuple<int64_t, int64_t, int64_t> previous{o.head_group, o.decode_warp, o.mask_cache};
+    o.head_group = int(head_group);
+    o.decode_warp = int(decode_warp);
+    o.mask_cache = int(mask_cache);
+    return previous;
 }
 
 }  // namespace flashmask
@@ -301,6 +308,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"), py::arg("arch") = 0);
     m.def("mask_cache_stats", &flashmask::mask_cache_stats, "(hits, misses) of the mask metadata cache since its last clear");
     m.def("mask_cache_clear", &flashmask::mask_cache_clear, "empty the mask metadata cache and zero its counts");
+    m.def("_set_overrides", &flashmask::set_overrides,
+          "tests only: pin the head group, the SM90 forward's decode warp and the mask cache (0 / -1: the "
+          "library's choice); returns the previous values", py::arg("head_group") = 0, py::arg("decode_warp") = -1,
+          py::arg("mask_cache") = -1);
     m.def("head_dims", &flashmask::compiled_head_dims);
     m.def("dtypes", &flashmask::compiled_dtypes);
     m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");

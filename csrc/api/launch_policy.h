@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
+
+#include "api/overrides.h"
 
 namespace flashmask {
 
@@ -24,18 +24,17 @@ inline int choose_num_splits(int ctas, int n_key_blocks) {
 // How many heads the launch interleaves (AttnParams::head_group). Without a mask every head's
 // jobs weigh the same, and fewer heads in flight means more CTAs of one head streaming the same
 // K/V (forward) or Q/dO (backward) blocks together: the largest divisor of hq whose heads stream
-// at most half of L2 (H100, full attention at 128K: forward 302 -> 336 TFLOP/s, backward 283 ->
-// 338). A mask makes some jobs far heavier (global tokens, long documents); only interleaving all
-// heads starts the heaviest of every head first (global + sliding window at 32K lost a third with
-// one head at a time). The SM90 kernels with a mask start their jobs in the order of the mask's job
-// list instead (MaskMeta::jobs: heaviest first, then head by head), except the deterministic
-// backward, which from kTurnListKeys keys with a mask takes a list in its launch order whose head
-// grouping the mask decides (compute_turn_jobs in mask_cache.cpp). FLASHMASK_HEAD_GROUP overrides
-// the choice, and the deterministic backward then takes no list (tuning and tests).
-inline bool head_group_forced() { return std::getenv("FLASHMASK_HEAD_GROUP") != nullptr; }
+// at most half of L2. A mask makes some jobs far heavier (global tokens, long documents); only
+// interleaving all heads starts the heaviest of every head first. The SM90 kernels with a mask
+// start their jobs in the order of the mask's job list instead (MaskMeta::jobs: heaviest first,
+// then head by head), except the deterministic backward, which from kTurnListKeys keys with a mask
+// takes a list in its launch order whose head grouping the mask decides (compute_turn_jobs in
+// mask_cache.cpp). Overrides::head_group pins the choice, and the deterministic backward then
+// takes no list (tests).
+inline bool head_group_forced() { return overrides().head_group > 0; }
 inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
-    if (const char* env = std::getenv("FLASHMASK_HEAD_GROUP")) {
-        int g = std::max(1, std::min(hq, std::atoi(env)));
+    if (head_group_forced()) {
+        int g = std::min(hq, overrides().head_group);
         while (hq % g) --g;
         return g;
     }
@@ -46,17 +45,11 @@ inline int choose_head_group(int hq, int64_t bytes_per_head, bool masked) {
     return g;
 }
 
-// Whether the SM90 forward runs its build with a decode warp (sm90/tile_config.h,
-// FWD_DECODE_WARP_KEYS): from `keys` keys, never where `keys` is 0 (not built).
-// FLASHMASK_SM90_DECODE_WARP=0 or 1 forces the choice where it is built (tests, tuning).
+// Whether the SM90 forward runs its build with a decode warp (FwdTile::decode_warp_keys): from `keys`
+// keys, never where `keys` is 0 (not built). Overrides::decode_warp pins it where it is built (tests).
 inline bool use_decode_warp(int sk, int keys) {
     if (keys <= 0) return false;
-    if (const char* env = std::getenv("FLASHMASK_SM90_DECODE_WARP")) {
-        const std::string value(env);
-        TORCH_CHECK(value == "0" || value == "1", "flashmask: FLASHMASK_SM90_DECODE_WARP must be 0 or 1, got '",
-                    value, "'");
-        return value == "1";
-    }
+    if (overrides().decode_warp >= 0) return overrides().decode_warp == 1;
     return sk >= keys;
 }
 
@@ -64,8 +57,8 @@ inline bool use_decode_warp(int sk, int keys) {
 // keys, heads whose key blocks see on average at least 1 / kTurnDenseShare of the query rows are
 // interleaved kTurnFewHeads at a time (their walks are long: fewer heads in flight keep their Q,
 // dO and dQ in L2), the others all at once (their walks are short chains: global + sliding window
-// and causal document need every head's chains in flight). Fitted on the H100 at D=128, 32K and
-// 128K (docs/perf_notes.md, versions 38 and 39); below it every head at once, as without the list.
+// and causal document need every head's chains in flight). Below it every head at once, as without
+// the list. Fitted at head dim 128, 32K and 128K keys.
 constexpr int kTurnListKeys = 32768;
 constexpr int kTurnDenseShare = 6;
 constexpr int kTurnFewHeads = 4;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "api/launch_policy.h"
+#include "api/overrides.h"
 #include "mask/bounds.h"
 
 namespace flashmask {
@@ -95,13 +96,19 @@ bool capturing(cudaStream_t stream) {
     return status != cudaStreamCaptureStatusNone;
 }
 
-bool cache_disabled_by_env() {
-    const char* e = std::getenv("FLASHMASK_MASK_CACHE");
-    if (e == nullptr) return false;
-    for (const char* off : {"0", "false", "no", "off", "False", "FALSE", "OFF", "No", "NO"}) {
-        if (std::strcmp(e, off) == 0) return true;
-    }
-    return false;
+// FLASHMASK_MASK_CACHE is read once, at the first call with a mask: 0, false, no or off turn the
+// cache off. Overrides::mask_cache pins it (tests).
+bool cache_enabled() {
+    static const bool by_env = [] {
+        const char* e = std::getenv("FLASHMASK_MASK_CACHE");
+        if (e == nullptr) return true;
+        for (const char* off : {"0", "false", "no", "off", "False", "FALSE", "OFF", "No", "NO"}) {
+            if (std::strcmp(e, off) == 0) return false;
+        }
+        return true;
+    }();
+    const int pinned = overrides().mask_cache;
+    return pinned >= 0 ? pinned != 0 : by_env;
 }
 
 at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block_n, cudaStream_t stream) {
@@ -151,12 +158,10 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
 // after the key block below it that sees it, so each head's key blocks must start in ascending
 // order; heads are interleaved `group` at a time (job_and_head's launch order). The group is
 // chosen on the device, with no host sync, from the mean share of query rows that see a key block.
-// Long walks take kTurnFewHeads (128K, D=128: full 401 and random eviction 172 TFLOP/s with every
-// head interleaved, varying per call up to 1.7x; 544 and 275 with four, the atomic backward's 553
-// and 275; 32K: document 382 with every head, 494 with four, atomic 521); short ones take every
-// head: a band walked upwards (global + sliding window) makes each key block wait two blocks behind
-// the one below it, a chain as long as the head's key blocks in flight (128K: 127 TFLOP/s with 4
-// heads, 369 with 16). docs/perf_notes.md, versions 38 and 39.
+// Long walks take kTurnFewHeads, so that the heads in flight keep their Q, dO and dQ in L2; short
+// ones take every head: a band walked upwards (global + sliding window) makes each key block wait
+// two blocks behind the one below it, a chain as long as the head's key blocks in flight, and only
+// many heads fill the GPU around such chains.
 at::Tensor compute_turn_jobs(const at::Tensor& work, int batch, int hq, int sq, int block_m) {
     const int n = work.size(1);
     const auto launch_order = [&](int group) {
@@ -212,7 +217,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.
-    if (cache_disabled_by_env() || !impl->version_counter().enabled() || capturing(stream)) {
+    if (!cache_enabled() || !impl->version_counter().enabled() || capturing(stream)) {
         complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, stream);
         return m;
     }

@@ -40,7 +40,7 @@ struct MaskMeta {
 // when the same tensor, unchanged, was seen with the same shapes on this stream; computed on
 // `stream` (the current stream) otherwise. The cache is skipped while the stream captures a CUDA
 // graph, for inference tensors (no version counter) and when the environment variable
-// FLASHMASK_MASK_CACHE is 0.
+// FLASHMASK_MASK_CACHE is 0 (read once, at the first call with a mask).
 MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq, Jobs jobs,
                        cudaStream_t stream);
 

@@ -24,7 +24,7 @@ TileSizes tiles_of(const KernelSet& k) {
     if (k.arch == 90) {
         const sm90::FwdTile f = sm90::fwd_tile(k.head_dim);
         const sm90::BwdTile b = sm90::bwd_tile(k.head_dim);
-        return {f.block_m, f.block_n, b.block_m, b.block_n, b.group_sum};
+        return {f.block_m, f.block_n, b.block_m, b.block_n, f.decode_warp_keys};
     }
     const sm80::FwdTile f = sm80::fwd_tile(k.head_dim);
     const sm80::BwdTile b = sm80::bwd_tile(k.head_dim);
@@ -43,24 +43,9 @@ bool has(const KernelSet& k, Slot slot) {
     }
 }
 
-// Whether a call that names no family may take this set's kernels for `slot` (instantiations.py:
-// a kernel slower than an older family's is only used when its family is asked for).
-bool automatic(const KernelSet& k, Slot slot) {
-    const unsigned fwd = 1u, bwd_kv = 2u, bwd_dq = 4u;
-    switch (slot) {
-        case Slot::fwd: return k.auto_slots & fwd;
-        case Slot::bwd: return k.auto_slots & bwd_kv;
-        default: {
-            const unsigned needed = deterministic_in_bwd_kv(k) ? bwd_kv : bwd_kv | bwd_dq;
-            return (k.auto_slots & needed) == needed;
-        }
-    }
-}
-
-// Numbers in error messages go through std::to_string, never through c10::str's ostream: built
-// by a g++ newer than the libstdc++ it runs with (the H100 machine's /opt/gcc), the extension
-// carries its own copy of ostream's integer insertion, and streaming an int there crashed the
-// process (cuda-gdb: SIGSEGV in basic_ostream::_M_insert<long> under TORCH_CHECK).
+// Numbers in error messages go through std::to_string, never through c10::str's ostream: built by
+// a g++ newer than the libstdc++ it runs with, the extension carries its own copy of ostream's
+// integer insertion, and streaming an int there crashes the process inside TORCH_CHECK.
 std::string join(const std::vector<int64_t>& xs) {
     std::string s;
     for (int64_t x : xs) s += (s.empty() ? "" : ", ") + std::to_string(x);
@@ -137,7 +122,7 @@ Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot) {
     const KernelSet* best = nullptr;
     for (const KernelSet& k : kKernelSets) {
         if (!has(k, slot) || k.head_dim != head_dim || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
-        if (arch != 0 ? k.arch != arch : !automatic(k, slot)) continue;
+        if (arch != 0 && k.arch != arch) continue;
         if (best == nullptr || k.arch > best->arch) best = &k;
     }
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),

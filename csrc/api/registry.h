@@ -23,14 +23,13 @@ struct KernelSet {
     FwdFn fwd;
     BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
     BwdFn bwd_dq;  // deterministic dQ
-    unsigned auto_slots;  // bit i: slot i (fwd, bwd_kv, bwd_dq) may be chosen when no family is named
 };
 
 // Tile sizes a kernel set walks with: the binding sizes the mask bounds, the tile work and the dQ
 // accumulator with them.
 struct TileSizes {
     int fwd_block_m, fwd_block_n, bwd_block_m, bwd_block_n;
-    bool bwd_group_sum = false;  // the backward sums a GQA group's dK and dV itself (BwdParams::dk_accum)
+    int fwd_decode_warp_keys = 0;  // the SM90 forward's decode warp from this Sk (0: not built)
 };
 
 struct Selection {
@@ -50,8 +49,8 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
 // call of the process); 80 or 90 asks for that family and raises if it is not compiled or the
 // device cannot run it.
 // `slot` says which kernels the call needs: the forward, the backward with atomic dQ, or the
-// deterministic backward. A forced family that lacks them (the SM90 one has no deterministic
-// backward yet) leaves the call to the newest family that has them.
+// deterministic backward. A forced family that lacks them leaves the call to the newest family that
+// has them.
 enum class Slot { fwd, bwd, bwd_deterministic };
 Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot);
 

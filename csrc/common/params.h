@@ -26,6 +26,7 @@ struct AttnParams {
     int mask_c, hm, q_per_mask_head;  // q_per_mask_head = Hq / Hm
     int n_key_blocks;
     bool causal;
+    bool decode_warp;  // the SM90 forward runs its build with a decode warp, where built (the binding decides)
 
     // Split-KV (Flash-Decoding): with num_splits > 1 the key blocks of a query tile are shared out
     // among num_splits CTAs, each writing a normalised partial output and its LSE (-inf where
@@ -49,8 +50,7 @@ struct AttnParams {
     int head_group;
 
     // The SM90 kernels: the jobs in the order of job_list (MaskMeta::jobs), or of the launch order
-    // above where it is nullptr. In the persistent ones job_counter (zero at launch) hands them out;
-    // the others (a backward built with one CTA per job) take them in launch order.
+    // above where it is nullptr; job_counter (zero at launch) hands them out to their persistent CTAs.
     const int* job_list;
     int* job_counter;
 };
@@ -70,11 +70,6 @@ struct BwdParams : AttnParams {
     // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], one more than the last key
     // block that added to each query block's dQ (they add in order: sm90/bwd_kernel.h); nullptr otherwise.
     int* dq_semaphore;
-    // GQA summed inside the SM90 backward (sm90/group_sum.h, built with FLASHMASK_SM90_BWD_GQA_SUM=1):
-    // zeroed float32 [B, Sk, Hk, D] each, into which every query head adds its dK (scaled) and dV
-    // tiles; dk and dv are then not written. nullptr: each query head writes its own slice.
-    float* dk_accum;
-    float* dv_accum;
     // dK, dV [B, Sk, Hq, D]: one slice per query head (a GQA group is summed afterwards).
     void* dk;
     void* dv;

@@ -24,13 +24,8 @@ __forceinline__ __device__ float quad_sum(float x) {
 // Lazy rescaling: a row keeps its running max while a block's max exceeds it by at most this much in
 // the base-2 exponent, so that exp(S - max) stays below 2^8 (well inside fp16 and bf16 P and fp32
 // sums), and O is rescaled only where some row of the warp took a new max: after the first few
-// blocks of a row, seldom (FlashAttention-4 skips the rescale on Blackwell in the same way). H100,
-// SM90 forward, head dim 64, two passes: full 128K 495 -> 526 TFLOP/s, prefix-LM causal 32K
-// 493 -> 541-556, qk-sparse 32K 509 -> 542, the window and eviction families and head dim 128
-// within the runs' drift (docs/perf_notes.md, version 42). 0: a new max is taken whenever it rises.
-#ifndef FLASHMASK_SOFTMAX_RESCALE_SLACK
-#define FLASHMASK_SOFTMAX_RESCALE_SLACK 8
-#endif
+// blocks of a row, seldom (FlashAttention-4 skips the rescale on Blackwell in the same way).
+constexpr int kRescaleSlack = 8;
 
 template <int kRows>
 struct OnlineSoftmax {
@@ -76,7 +71,7 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(s); ++mi) {
             float m = max_with_block(s, mi);
-            if (row_max[mi] != -INFINITY && (m - row_max[mi]) * scale_log2 <= float(FLASHMASK_SOFTMAX_RESCALE_SLACK)) {
+            if (row_max[mi] != -INFINITY && (m - row_max[mi]) * scale_log2 <= float(kRescaleSlack)) {
                 m = row_max[mi];
             }
             moved |= m != row_max[mi];
@@ -95,7 +90,7 @@ struct OnlineSoftmax {
     }
 
     // update_scores and the conversion to P without the block's max (the SM90 forward's
-    // FWD_STALE_MAX64): exponentiate at each row's running max as it stands, into p (16-bit, s's
+    // FwdTile::stale_max): exponentiate at each row's running max as it stands, into p (16-bit, s's
     // rows x cols), and keep the block where every thread's partial row sum stays within 2^slack, so
     // that no element of P exceeds what the lazy rescale allows; O needs no rescale then. Returns
     // whether it kept the block, the same in every lane of the warp. If not (a row of the warp has
@@ -127,7 +122,7 @@ struct OnlineSoftmax {
                 *reinterpret_cast<cutlass::Array<Element, 2>*>(&p(mi, ni)) =
                     cutlass::NumericArrayConverter<Element, float, 2>{}(e);
             }
-            within &= sum[mi] <= float(1 << FLASHMASK_SOFTMAX_RESCALE_SLACK);  // false for NaN
+            within &= sum[mi] <= float(1 << kRescaleSlack);  // false for NaN
         }
         if (!force && !__all_sync(0xffffffffu, within)) return false;
         CUTE_UNROLL

@@ -38,20 +38,13 @@ struct GroupTicket {
     static constexpr int kMaxBlocks = 1 << (31 - kBlockShift);  // fwd_launch.h checks Sk against it
     int bits;
 
-    // The groups whose rows see block b (bit g). kSight 0: every group; 1: each group's own test;
-    // 2: that test only where the column intervals cut the tile partly (a window's or a document's
-    // edge), every group elsewhere, so that a block the causal diagonal alone crosses costs nothing
-    // more; 3: the test only where the tile needs some compare, the same answers as 1 (elsewhere
-    // every row sees the whole block) for fewer tests. Version 34 put most of 1's loss on the dense
-    // families in these tests or in the causal diagonal's skips.
-    template <int kSight, typename Walk>
+    // The groups whose rows see block b (bit g): without kPerGroup every group; with it each group's
+    // own test, made only where the tile needs some compare (elsewhere every row sees the whole block).
+    template <bool kPerGroup, typename Walk>
     __device__ static int sight(const Walk& walk, int block, const BlockBounds& b) {
         constexpr int kEvery = (1 << kGroups) - 1;
-        if (kSight == 0) return kEvery;
-        if (kSight >= 2) {
-            const TileCompare tile = walk.compare(block, b);
-            if (!(kSight == 2 ? tile.intervals : tile.any)) return kEvery;
-        }
+        if (!kPerGroup) return kEvery;
+        if (!walk.compare(block, b).any) return kEvery;
         int s = 0;
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) {

@@ -3,8 +3,8 @@
 //
 // (Key block of 128, query head, batch) jobs (tile_scheduler.h) run in the order of the mask's job
 // list (heaviest key blocks first, few heads in flight: MaskMeta::jobs; in deterministic mode each
-// head's key blocks ascending) or, without one, of job_and_head: one CTA per job, or where the tile
-// is persistent one CTA per SM drawing them. The producer warpgroup gives its registers away; one
+// head's key blocks ascending) or, without one, of job_and_head, one CTA per SM drawing them. The
+// producer warpgroup gives its registers away; one
 // warp loads each job's K and V once the consumers are done with the last job's, then walks the
 // query blocks that can see these keys (QueryBlockWalk: the causal bound, the block's interval
 // bounds, jumps over fully masked runs) and loads each one's Q and dO by TMA into a pipeline, with
@@ -28,7 +28,6 @@
 #include "mask/mask_head.h"
 #include "sm90/block_ticket.h"
 #include "sm90/bwd_traits.h"
-#include "sm90/group_sum.h"
 #include "sm90/tile_scheduler.h"
 #include "sm90/wgmma_ops.h"
 
@@ -68,11 +67,8 @@ __forceinline__ __device__ void bulk_reduce_add(float* dst, const float* src, in
 // block's semaphore holds one more than the last key block that added to it (0: none yet); a key
 // block waits there for the key block below it that sees the query block (QueryBlockWalk::
 // previous_visitor) and then writes its own number. Key blocks that do not see a query block never
-// touch its semaphore: an earlier design counted turns, which every key block had to pass at every
-// query block, so that a document's key blocks waited for every earlier document's jobs to pass
-// theirs (docs/perf_notes.md, version 35). Deterministic jobs walk their query blocks downwards
-// where that shortens the waits (kBwdDetDown, tile_config.h). (Key blocks adding in decreasing
-// order, drawn in that order, measured 1.3-1.4x slower on causal masks at head dim 128: version 23.)
+// touch its semaphore, so that a document's key blocks never wait for another document's jobs.
+// Deterministic jobs walk their query blocks downwards where that shortens the waits (KeyJob).
 __forceinline__ __device__ void wait_turn(const int* sem, int turn) {
     for (;;) {
         int v;
@@ -144,23 +140,24 @@ __device__ bool dq_warp(const BwdParams& p, const Job& job, float* smem_dq, int 
 template <typename Traits, bool Is_causal, bool Has_mask>
 struct KeyJob {
     int n_block, h, b, kv_h, c0, m_end, m_first;
-    bool down;  // walks its query blocks downwards (deterministic mode: kBwdDetDown)
+    bool down;  // walks its query blocks downwards (deterministic mode, below)
     MaskHead mask;
     QueryBlockWalk<Traits::kBlockM, Traits::kBlockN, Is_causal, Has_mask> walk;
 
     __device__ KeyJob(const BwdParams& p, const BwdJob& job)
         : n_block(job.n_block), h(job.h), b(job.b), kv_h(job.h / p.q_per_kv_head), c0(job.n_block * Traits::kBlockN),
-          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), down(kBwdDetDown > 0 && p.dq_semaphore != nullptr),
+          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), down(p.dq_semaphore != nullptr),
           mask(mask_head(p, job.b, job.h)),
           walk{Has_mask ? mask.bounds + job.n_block * kNumBounds : nullptr, c0, p.sq, p.sk, p.sk - p.sq, m_end} {
-        if (kBwdDetDown >= 2 && down) {
-            // Query block 0 seen by the last key block (global tokens, or no mask at all) is shared
-            // by every key block: walking down, each job would end waiting for the one before.
+        // The deterministic walk's direction, one per head (jobs of both directions side by side
+        // would wait for each other's whole walks). Down: the key block below reaches a query block
+        // the two share before or with this one, where walking up it comes two steps later on a
+        // band and chains the ends of the head's jobs. But where the last key block sees query
+        // block 0 (global tokens, or no mask), every key block shares it, and each job walking down
+        // would end waiting there for the one before: such heads walk up, as the atomic backward does.
+        if (down) {
             const auto last_walk = walk_of(p, (p.sk - 1) / Traits::kBlockN);
             down = last_walk.visible_at_or_above(last_walk.begin()) != 0;
-            if (kBwdDetDown == 3 && down) {  // key block 0 seen by the last query block: walk up too
-                down = walk_of(p, 0).visible_at_or_below(m_end - 1) != m_end - 1;
-            }
         }
         m_first = down ? walk.visible_at_or_below(m_end - 1) : walk.visible_at_or_above(walk.begin());
     }
@@ -193,7 +190,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     constexpr int kDqWarps = Traits::kDqWarps;
-    const BwdScheduler<Traits::kConsumerThreads, Traits::kPersistent, kDqWarps> scheduler(p, kBlockN);
+    const BwdScheduler<Traits::kConsumerThreads, kDqWarps> scheduler(p, kBlockN);
     const int causal_offset = p.sk - p.sq;
 
     // Barriers: K and V's (one arrival with its byte count, one phase per job that loads them), the
@@ -217,12 +214,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
         if (warp > kDqWarps) return;
         if (warp >= 1) {
-            // A dQ warp, job after job.
-            // Persistent, the warp that read a job's last tile hands the buffer to dK and dV.
+            // A dQ warp, job after job; the warp that read a job's last tile hands the buffer to dK and dV.
             for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
                 const Job job(p, scheduler.job(p, x));
                 const bool holds = dq_warp<Traits, kDqWarps>(p, job, shared.dq, warp - 1, kDqHandoff);
-                if (Traits::kPersistent && holds) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
+                if (holds) cutlass::arch::NamedBarrier::arrive(kDqHandoff, kBwdDqEmptyBarrier);
             }
             return;
         }
@@ -303,8 +299,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
     // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
-    // rows (an element-wise copy took a generic 16-bit store, a byte permute and 64-bit address
-    // arithmetic per element: docs/perf_notes.md, version 27).
+    // rows (an element-wise copy takes a generic 16-bit store, a byte permute and 64-bit address
+    // arithmetic per element).
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
     Tensor tDSsdSt = thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
@@ -422,45 +418,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
                 cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier(tile % kDqWarps));
             }
             // Every GEMM of this job is done: the producer may load the next job's K and V.
-            if constexpr (Traits::kPersistent) shared.kv_free.arrive();
+            shared.kv_free.arrive();
         }
 
         // dK (scaled by the softmax scale) and dV of this query head's slice; a key block no query
-        // sees writes zeros. Persistent: one after the other through the dQ buffer, once the dQ warp
-        // that read the last dQ tile is done with it; before the buffer takes the next job's dQ, the
-        // TMA unit has read dV (each warpgroup waits for its store here, and the next dQ hand-over
-        // waits for both). Otherwise through the Q and dO buffers: the other warpgroup's GEMMs, their
-        // last readers, finished before the last dQ hand-over.
+        // sees writes zeros. One after the other through the dQ buffer, once the dQ warp that read
+        // the last dQ tile is done with it; before the buffer takes the next job's dQ, the TMA unit
+        // has read dV (each warpgroup waits for its store here, and the next dQ hand-over waits for both).
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
         using Store = typename Traits::KVStore;
         const auto shape = make_shape(p.sk, p.d, p.hq, p.b);
         const int wg_barrier = kBwdStoreBarrier + ctid / 128;
-        Element* buffer_dk = shared.q.data();
-        Element* buffer_dv = shared.dout.data();
-        if constexpr (Traits::kPersistent) {
-            cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
-            buffer_dk = buffer_dv = reinterpret_cast<Element*>(shared.dq);
-        }
+        cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+        Element* const buffer = reinterpret_cast<Element*>(shared.dq);
         const int row_tile0 = job.n_block * Traits::kConsumerWarpgroups;
-        bool summed = false;  // GQA summed here (group_sum.h): no store
-        if constexpr (Traits::kGroupSum) {
-            if (p.dk_accum != nullptr) {
-                add_to_group<kBlockN, Traits::kHeadDim>(p.dk_accum, acc_dk, mma_kv, ctid, c0, p.sk, p.d, p.hk,
-                                                        job.kv_h, job.b);
-                add_to_group<kBlockN, Traits::kHeadDim>(p.dv_accum, acc_dv, mma_kv, ctid, c0, p.sk, p.d, p.hk,
-                                                        job.kv_h, job.b);
-                summed = true;
-            }
-        }
-        if (!summed) {
-            Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer_dk, row_tile0, job.h, job.b,
-                                           ctid, wg_barrier);
-            Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer_dv, row_tile0, job.h, job.b,
-                                           ctid, wg_barrier);
-            Store::drain(ctid);
-        }
-        if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, wg_barrier);
+        Store::template store<kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer, row_tile0, job.h, job.b, ctid,
+                                       wg_barrier);
+        Store::template store<kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer, row_tile0, job.h, job.b, ctid,
+                                       wg_barrier);
+        Store::drain(ctid);
+        cutlass::arch::NamedBarrier::sync(128, wg_barrier);
     }
 #endif
 }

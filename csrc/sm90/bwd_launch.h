@@ -1,7 +1,6 @@
 // Launch layer of the SM90 backward: TMA descriptors of Q, dO, K, V, dK and dV over their real
-// strides, the grid (persistent or one CTA per job), then the dQ conversion. p.dq_accum must be
-// zeroed fp32 [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order,
-// bwd_kernel.h).
+// strides, the persistent grid, then the dQ conversion. p.dq_accum must be zeroed fp32
+// [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order, bwd_kernel.h).
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -18,11 +17,10 @@
 
 namespace flashmask::sm90 {
 
-template <typename Traits>
-void run_bwd_build(const BwdParams& p, cudaStream_t stream) {
+template <int kHeadDim, typename Element>
+void run_bwd(const BwdParams& p, cudaStream_t stream) {
     using namespace cute;
-    using Element = typename Traits::Element;
-    constexpr int kHeadDim = Traits::kHeadDim;
+    using Traits = BwdTraits<kHeadDim, Element>;
     TORCH_CHECK(p.dq_accum != nullptr, "flashmask: the SM90 backward accumulates dQ with atomics only");
     const auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
     const auto gq = tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
@@ -42,15 +40,11 @@ void run_bwd_build(const BwdParams& p, cudaStream_t stream) {
     auto tma_dv = Traits::KVStore::make_tma(gdv);
     using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), decltype(tma_dk)>;
     const Args args{p, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv};
-    // Persistent: one CTA per SM (the registers allow no more), none idle; otherwise one per job.
+    // One CTA per SM (the registers allow no more), none idle.
     const int64_t jobs = int64_t((p.sk + Traits::kBlockN - 1) / Traits::kBlockN) * p.hq * p.b;
     TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (key block, head, batch) jobs for one launch");
-    int64_t ctas = jobs;
-    if constexpr (Traits::kPersistent) {
-        TORCH_CHECK(p.job_counter != nullptr, "flashmask: the persistent SM90 backward needs a job counter");
-        ctas = std::min<int64_t>(jobs, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-    }
-    const dim3 grid{unsigned(ctas)};
+    TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 backward needs a job counter");
+    const dim3 grid{unsigned(std::min<int64_t>(jobs, at::cuda::getCurrentDeviceProperties()->multiProcessorCount))};
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         launch_with_smem(&bwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args>, grid,
                          Traits::kNThreads, Traits::kSmemBytes, args, stream);
@@ -59,15 +53,6 @@ void run_bwd_build(const BwdParams& p, cudaStream_t stream) {
     const dim3 tiles((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
     dq_convert_kernel<Traits><<<tiles, Traits::kConsumerThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <int kHeadDim, typename Element>
-void run_bwd(const BwdParams& p, cudaStream_t stream) {
-    constexpr int kLongWarps = bwd_tile(kHeadDim).dq_warps_long;
-    if constexpr (kLongWarps > 0) {
-        if (p.sk >= kBwdLongKeys) return run_bwd_build<BwdTraits<kHeadDim, Element, kLongWarps>>(p, stream);
-    }
-    run_bwd_build<BwdTraits<kHeadDim, Element>>(p, stream);
 }
 
 }  // namespace flashmask::sm90

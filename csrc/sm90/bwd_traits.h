@@ -11,8 +11,7 @@
 
 namespace flashmask::sm90 {
 
-// kDqWarps_: the dQ warps of this build (bwd_launch.h may launch a second one for long keys).
-template <int kHeadDim_, typename Element_, int kDqWarps_ = bwd_tile(kHeadDim_).dq_warps>
+template <int kHeadDim_, typename Element_>
 struct BwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -21,9 +20,7 @@ struct BwdTraits {
     static constexpr int kStages = bwd_tile(kHeadDim).stages;
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
-    static constexpr bool kPersistent = bwd_tile(kHeadDim).persistent;
-    static constexpr bool kGroupSum = bwd_tile(kHeadDim).group_sum;
-    static constexpr int kDqWarps = kDqWarps_;
+    static constexpr int kDqWarps = bwd_tile(kHeadDim).dq_warps;
     static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;
@@ -78,13 +75,11 @@ struct BwdTraits {
     using SmemLayoutDSt = decltype(cute::composition(
         SmemLayoutDS{}, cute::make_ordered_layout(TileST{}, cute::Step<cute::_2, cute::_1>{})));
 
-    // dK and dV leave through shared memory (tile_store.h): persistent, one after the other through
-    // the dQ buffer, between jobs (the Q and dO buffers already hold the next job's first blocks);
-    // otherwise through the Q and dO buffers, free by then.
+    // dK and dV leave through shared memory (tile_store.h), one after the other through the dQ
+    // buffer, between jobs (the Q and dO buffers already hold the next job's first blocks).
     using KVStore = WarpgroupRowsStore<Element, kHeadDim>;
     static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> * sizeof(Element) <=
                   kBlockM * kHeadDim * sizeof(float));
-    static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> <= cute::cosize_v<SmemLayoutQ>);
 
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));

@@ -70,7 +70,7 @@ struct TileJob {
     }
 };
 
-// kDecodeWarp: a second producer warp draws and decodes each job one ahead (FWD_DECODE_WARP_KEYS).
+// kDecodeWarp: a second producer warp draws and decodes each job one ahead (FwdTile::decode_warp_keys).
 template <typename Traits, bool Is_causal, int kMaskC, typename Args, bool kDecodeWarp>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -84,12 +84,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     using Job = TileJob<Traits, Is_causal, Has_mask>;
     constexpr int kBlockN = Traits::kBlockN;
     using Ticket = GroupTicket<kWarpgroups>;
-    // tile_config.h. Skipping needs the warpgroups to issue freely: pingpong turns must pair up.
-    constexpr bool kGroupCompare = FLASHMASK_SM90_FWD_WG_COMPARE && !Barriers::kPingpong;
-    constexpr bool kSkip = FLASHMASK_SM90_FWD_WG_SKIP && !Barriers::kPingpong;
-    constexpr int kSight = kSkip ? FLASHMASK_SM90_FWD_WG_SKIP : 0;  // GroupTicket::sight
-    constexpr bool kStaleMax =
-        (Traits::kHeadDim <= 64 ? FLASHMASK_SM90_FWD_STALE_MAX64 : FLASHMASK_SM90_FWD_STALE_MAX128) != 0;
+    constexpr bool kSkip = Traits::kGroupSight;  // each warpgroup skips the blocks its rows do not see
+    constexpr bool kStaleMax = Traits::kStaleMax;
     const AttnParams& p = args.p;
 
     extern __shared__ __align__(1024) char smem_raw[];
@@ -165,9 +161,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         auto state_q = cutlass::make_producer_start_state<PipelineQ>();
         int queued = 0;  // ring slots filled, over all jobs
         // Each job's first block is found when the job is drawn, before it is published, and
-        // carried into its turn here. The loads are written in the loop, not in a lambda: with
-        // them in a [&] lambda, ptxas guarded the head dim 128 consumers' code with 90 runtime
-        // traps (BPT.TRAP, cuobjdump) and that forward ran 6-10% slower on every family.
+        // carried into its turn here. The loads are written in the loop, not in a [&] lambda, in
+        // which ptxas guarded the head dim 128 consumers' code with runtime traps.
         int n_block;
         FwdSlot job = next_job(/*first=*/true, n_block);
         scheduler.publish(job, shared.next_job, /*after_first=*/false);
@@ -192,12 +187,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
                 }
                 ++state_q;
-                int sight = Ticket::template sight<kSight>(walk, n_block, bnd);
-                Ticket ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
+                int sight = Ticket::template sight<Traits::kGroupSight>(walk, n_block, bnd);
+                Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
                 while (n_block >= 0) {
                     bnd = walk.bounds_of(n_block - 1);
                     const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
-                    sight = n_next >= 0 ? Ticket::template sight<kSight>(walk, n_next, bnd) : 0;
+                    sight = n_next >= 0 ? Ticket::template sight<Traits::kGroupSight>(walk, n_next, bnd) : 0;
                     ticket.set_next(sight, n_next < 0);
                     // The block's ring slot, filled before the arrival on its K stage publishes it.
                     const int slot = queued % Traits::kSlots;
@@ -220,7 +215,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
                     ++state;
                     ++queued;
                     n_block = n_next;
-                    if (n_block >= 0) ticket = Ticket::template make<kGroupCompare>(walk, n_block, bnd, sight);
+                    if (n_block >= 0) ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
                 }
             }
             job = next_job(/*first=*/false, n_block);
@@ -287,9 +282,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         // The first block alone, then each next block's S = Q K^T is issued together with the
         // previous block's O += P V, one batch for the tensor cores. The source waits for that
         // P V only after the new S's softmax, but ptxas moves the wait up to the top of its basic
-        // block (in SASS the softmax follows both waits, every forward kernel); held below the
-        // softmax it ran 10-15% slower (docs/perf_notes.md, version 42). Another warpgroup's
-        // GEMMs run under this one's softmax.
+        // block (forcing it below the softmax was slower). Another warpgroup's GEMMs run under
+        // this one's softmax.
         Tensor acc_s = partition_fragment_C(mma_qk, typename Traits::TileS{});
         Tensor rP = make_tensor<Element>(acc_s.layout());
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));
@@ -300,19 +294,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
             Tensor s_rc = rowcol(acc_s);
             const TileCompare cmp = ticket.compare(cwg);
             if (cmp.any) {
-                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/false, FLASHMASK_SM90_FWD_QUARTERS != 0>(
+                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/false, Traits::kCompareByQuarters>(
                     s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot],
                     ticket.tight());
             }
             if constexpr (kStaleMax) {
                 // The P V before reads P, which this writes. Waiting here rather than before the
-                // compare lets a partial block's compare run under that P V (H100: document 8K +4%,
-                // the window families +1%; docs/perf_notes.md, version 46).
+                // compare lets a partial block's compare run under that P V.
                 warpgroup_wait<0>();
                 Tensor p_rc = rowcol(rP);
                 // A block not kept at the running max goes round once more at the raised max: one
-                // copy of the exponentials in the loop's code, not two (version 46: with two, the
-                // window families and most 8K cells ran 2-8% slower).
+                // copy of the exponentials in the loop's code, not two (a second copy ran slower).
                 rescale = false;
                 bool force = false;
 #pragma unroll 1

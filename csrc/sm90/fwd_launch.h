@@ -9,7 +9,6 @@
 
 #include <cute/tensor.hpp>
 
-#include "api/launch_policy.h"
 #include "common/launch_utils.h"
 #include "sm90/fwd_kernel.h"
 #include "sm90/tma_views.h"
@@ -41,12 +40,11 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const dim3 grid(unsigned(std::min<int64_t>(jobs, sms)));
     constexpr int kDecodeWarpKeys = fwd_tile(kHeadDim).decode_warp_keys;
-    const bool decode_warp = use_decode_warp(p.sk, kDecodeWarpKeys);
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         constexpr bool kCausal = decltype(is_causal)::value;
         constexpr int kMaskC = decltype(mask_c)::value;
         if constexpr (kDecodeWarpKeys > 0) {
-            if (decode_warp) {
+            if (p.decode_warp) {
                 launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, true>, grid, Traits::kNThreads,
                                  Traits::kSmemBytes, args, stream);
                 return;

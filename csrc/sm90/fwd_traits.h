@@ -29,6 +29,10 @@ struct FwdTraits {
     static_assert(fwd_registers_fit(kHeadDim),
                   "more registers than the CTA holds at launch: the consumers' setmaxnreg would wait for ever");
     static_assert(kBlockM == 64 * kConsumerWarpgroups);
+    static constexpr bool kGroupSight = fwd_tile(kHeadDim).group_sight;
+    static_assert(!kGroupSight || kConsumerWarpgroups == 3, "pingpong turns must pair up: no warpgroup may skip");
+    static constexpr bool kCompareByQuarters = fwd_tile(kHeadDim).compare_by_quarters;
+    static constexpr bool kStaleMax = fwd_tile(kHeadDim).stale_max;
 
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
     using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;

@@ -49,7 +49,7 @@ __device__ __forceinline__ FwdSlot load_slot(const volatile FwdSlot& from) {
     return {from.x, {from.job.m_block, from.job.h, from.job.b}, from.visible};
 }
 
-// FWD_DECODE_WARP_KEYS (tile_config.h): the producer's decode warp draws and decodes each job one ahead
+// FwdTile::decode_warp_keys (tile_config.h): the producer's decode warp draws and decodes each job one ahead
 // of its load warp and passes it on through a one-job slot guarded by two mbarriers of one
 // arrival each: `full` (a job is in) and `empty` (the load warp has read it).
 struct JobHandOver {
@@ -154,11 +154,10 @@ struct BwdJob {
 // (MaskMeta::jobs: heaviest first, head by head within a bucket; in deterministic mode each head's
 // key blocks ascending) or, without one (no mask, or deterministic mode below 32K keys), of the
 // SM80 backward's grid (launch_order.h: heads in groups of p.head_group, key blocks ascending, so
-// that causal key blocks, which see the most queries, come first). kPersistent: one CTA per SM
-// draws them like the forward's, and the producer warp publishes each next job into a one-job slot
-// that the consumer warpgroups and the dQ warps all read; otherwise each CTA takes the job of its
-// index and ends with it.
-template <int kConsumerThreads, bool kPersistent, int kDqWarps>
+// that causal key blocks, which see the most queries, come first). One CTA per SM draws them like
+// the forward's, and the producer warp publishes each next job into a one-job slot that the
+// consumer warpgroups and the dQ warps all read.
+template <int kConsumerThreads, int kDqWarps>
 struct BwdScheduler {
     static constexpr int kThreads = 32 + kConsumerThreads + 32 * kDqWarps;  // producer, consumers, dQ warps
     static constexpr int kJobFull = 7, kJobEmpty = 0;  // named barriers (bwd_kernel.h uses 1-6, 8, 9)
@@ -178,7 +177,6 @@ struct BwdScheduler {
     // Producer warp, after issuing job `x`'s loads: draws the next job and publishes it once every
     // reader has read the previous publication.
     __device__ int publish_next(const BwdParams& p, int x, int& slot) const {
-        if constexpr (!kPersistent) return num_jobs;
         int next = 0;
         if (threadIdx.x % 32 == 0) next = gridDim.x + atomicAdd(p.job_counter, 1);
         next = __shfl_sync(0xffffffffu, next, 0);
@@ -191,7 +189,6 @@ struct BwdScheduler {
     // Consumers and the dQ warps, after finishing a job: the next one (the slot is released only if
     // the producer will publish again).
     __device__ int take_next(const int& slot) const {
-        if constexpr (!kPersistent) return num_jobs;
         cutlass::arch::NamedBarrier::sync(kThreads, kJobFull);
         const int next = *static_cast<const volatile int*>(&slot);
         if (valid(next)) cutlass::arch::NamedBarrier::arrive(kThreads, kJobEmpty);

@@ -253,11 +253,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_in
               arch: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the kernels, differentiable; the arguments are those of the ``fwd`` op.
 
-    Plain eager calls skip the custom ops' dispatch and autograd wrapper: a forward and backward of
-    sliding window at 8K, head dim 64, took 0.97 ms of CPU through them and 0.51 ms this way on the
-    H100 machine, against 0.43 ms of GPU time; calls with nothing to differentiate skip the
-    autograd.Function too. Under torch.compile, a dispatch mode (FakeTensorMode, ...) or tensor
-    subclasses the custom ops run, so that tracing sees them.
+    Plain eager calls skip the custom ops' dispatch and autograd wrapper, whose host time can exceed
+    a short kernel's; calls with nothing to differentiate skip the autograd.Function too. Under
+    torch.compile, a dispatch mode (FakeTensorMode, ...) or tensor subclasses the custom ops run, so
+    that tracing sees them.
     """
     args = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch)
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None

@@ -39,7 +39,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, float64 for float64 inputs;
             ``+inf`` on rows that no key may attend, whose output is 0).
         deterministic: bitwise reproducible gradients (a fixed dQ accumulation order in the kernel;
-            the backward takes 1.2-1.8x as long).
+            the backward takes longer: docs/performance.md).
         backend: ``"auto"`` (the CUDA kernels when built and the inputs qualify, else the reference
             path), ``"cuda"`` (raises if the kernels cannot run), ``"sm80"`` / ``"sm90"`` (the CUDA
             kernels of that architecture family: ``"sm80"`` runs the mma.sync kernels on a Hopper GPU

@@ -40,7 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-IGNORE_INDEX = -100
+from flashmask.losses import IGNORE_INDEX
+
 MASK_KEY = "attn_mask_startend_row_indices"
 PACKING_STRATEGIES = ("bfd", "sequential", "none")
 

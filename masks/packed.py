@@ -5,10 +5,11 @@ concatenate documents into one row and emit either cumulative lengths ``cu_seqle
 flash-attn varlen takes) or ``position_ids`` that restart at each document. Both become the
 causal-document (C=1: LTS = doc end) or document (C=2: LTS = doc end, UTE = doc start) format.
 
-The packed-sequence rule, the same everywhere in flashmask (this module, the Hugging Face backend,
-the collators): a new document starts at token 0 and wherever the position id does not grow by
-exactly 1 from the previous token, as transformers' ``masking_utils.find_packed_sequence_indices``
-decides. See docs/format.md, "Packed sequences".
+The packed-sequence rule lives here and only here (the Hugging Face backend and the
+context-parallel batch sharding call these functions): a new document starts at token 0 and
+wherever the position id does not grow by exactly 1 from the previous token, as transformers'
+``masking_utils.find_packed_sequence_indices`` decides; ``cu_seqlens`` give the boundaries
+directly. See docs/format.md, "Packed sequences".
 
 Example::
 
@@ -46,11 +47,25 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool = True, seqlen: Optio
     s = vals[-1] if seqlen is None else seqlen
     if not is_int(s) or s < 1 or s < vals[-1]:
         raise ValueError(f"seqlen must be a positive int >= cu_seqlens[-1]={vals[-1]}, got {s!r}")
-    bounds = torch.cat([cu, cu.new_tensor([s])])  # the tail (if any) ends at seqlen
-    t = torch.arange(s, device=cu.device)
-    k = torch.searchsorted(bounds, t, right=True)  # first boundary after token t
-    end, start = bounds[k].view(1, s), bounds[k - 1].view(1, s)
-    return finish([end] if causal else [end, start], causal, s, validate)
+    return from_starts(cu_seqlens_starts(cu, 1, s), causal, validate=validate)
+
+
+def cu_seqlens_starts(cu_seqlens: torch.Tensor, batch_size: int, seqlen: int, device=None) -> torch.Tensor:
+    """bool ``[B, S]``, True where a packed document starts, from ``cu_seqlens`` over the flattened
+    ``B * S`` tokens (documents ``[cu[k], cu[k+1])``, as flash-attn varlen takes them).
+
+    Every row starts a document too: a document never crosses a row boundary. Tokens after
+    ``cu[-1]`` form one more document; boundaries past ``B * S`` are ignored. Vectorised, no host
+    sync (the callers check the values where they must).
+    """
+    total = batch_size * seqlen
+    cu = torch.as_tensor(cu_seqlens)
+    cu = cu.to(device=device if device is not None else cu.device, dtype=torch.long).reshape(-1)
+    flat = torch.zeros(total + 1, dtype=torch.bool, device=cu.device)
+    flat[cu.clamp(0, total)] = True
+    starts = flat[:total].view(batch_size, seqlen).clone()
+    starts[:, 0] = True
+    return starts
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flashmask.attention import flashmask_attention
 from masks.format import validate as _validate_mask
-from masks.packed import document_starts, from_starts
+from masks.packed import cu_seqlens_starts, document_starts, from_starts
 
 #: The ``attn_implementation`` name the backend is registered under.
 ATTN_IMPLEMENTATION = "fm_colmask"
@@ -380,7 +380,7 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
             raise _unsupported("different query and key documents (cu_seq_lens_q != cu_seq_lens_k)")
         if sq != sk:
             raise _unsupported("cu_seq_lens_q/k together with a KV cache")
-        return from_starts(_starts_from_cu_seqlens(cu_q, bsz, sq, device), causal)
+        return from_starts(cu_seqlens_starts(cu_q, bsz, sq, device), causal)
 
     position_ids = kwargs.get("position_ids")
     if use_position_ids and position_ids is not None and sq == sk and sq > 1 and position_ids.dim() in (1, 2) \
@@ -417,17 +417,6 @@ def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, cau
     except ValueError as e:
         raise ValueError(f"{MASK_KWARG}: {e}") from None
     _checked_mask[:] = [weakref.ref(user_tensor), key]
-
-
-def _starts_from_cu_seqlens(cu: torch.Tensor, bsz: int, seqlen: int, device) -> torch.Tensor:
-    """bool ``[B, S]``: True where a document starts (cu_seqlens index the flattened B*S tokens)."""
-    total = bsz * seqlen
-    cu = cu.to(device=device, dtype=torch.long).reshape(-1)
-    flat = torch.zeros(total + 1, dtype=torch.bool, device=device)
-    flat[cu.clamp(0, total)] = True  # documents may end before the last token: the rest is one more
-    starts = flat[:total].view(bsz, seqlen).clone()
-    starts[:, 0] = True  # every row starts a document
-    return starts
 
 
 def _apply_attention_mask(startend: Optional[torch.Tensor], attention_mask: torch.Tensor, causal: bool,

@@ -22,7 +22,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -37,17 +37,34 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool = True, seqlen: Optio
     longer ``seqlen`` makes the tokens after ``cu[-1]`` one more document (e.g. padding).
     Reads ``cu_seqlens`` on the host once for the checks.
     """
+    vals = check_cu_seqlens(cu_seqlens)
     cu = torch.as_tensor(cu_seqlens)
-    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
     cu = cu.to(device=device if device is not None else cu.device, dtype=torch.long)
-    vals = cu.tolist()
-    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {vals[:8]}{'...' if len(vals) > 8 else ''}")
     s = vals[-1] if seqlen is None else seqlen
     if not is_int(s) or s < 1 or s < vals[-1]:
         raise ValueError(f"seqlen must be a positive int >= cu_seqlens[-1]={vals[-1]}, got {s!r}")
     return from_starts(cu_seqlens_starts(cu, 1, s), causal, validate=validate)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: Optional[int] = None, name: str = "cu_seqlens") -> List[int]:
+    """Raise ``ValueError`` unless ``cu_seqlens`` is a 1-D integer tensor that starts at 0, never
+    decreases (a repeat is an empty document) and, when ``total`` is given, ends exactly at
+    ``total`` (every token in one document). Returns the values (read on the host: one sync)."""
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
+    vals = cu.tolist()
+    shown = f"{vals[:8]}{'...' if len(vals) > 8 else ''}"
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {shown}")
+    for k, (a, b) in enumerate(zip(vals, vals[1:])):
+        if b < a:
+            raise ValueError(f"{name} must be non-decreasing, got {shown} ({name}[{k + 1}]={b} < {name}[{k}]={a})")
+    if total is not None and vals[-1] != total:
+        where = "runs past" if vals[-1] > total else "stops before"
+        raise ValueError(f"{name} must end at the number of tokens B * S = {total}, got {name}[-1]={vals[-1]} "
+                         f"({where} the end of the batch): {shown}")
+    return vals
 
 
 def cu_seqlens_starts(cu_seqlens: torch.Tensor, batch_size: int, seqlen: int, device=None) -> torch.Tensor:

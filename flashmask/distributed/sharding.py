@@ -37,7 +37,7 @@ from flashmask.distributed.allgather_kv import allgather_kv_attention
 from flashmask.distributed.plan import MODES, ContextParallelPlan, make_plan
 from flashmask.distributed.ulysses import ulysses_attention
 from flashmask.losses import IGNORE_INDEX
-from masks.packed import cu_seqlens_starts, document_starts, from_position_ids, from_starts
+from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_position_ids, from_starts
 
 #: Per-token keys that :func:`shard_packed_batch` shards (besides any other ``[B, S]`` tensor).
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
@@ -201,6 +201,8 @@ def shard_packed_batch(batch: Dict[str, torch.Tensor], *, group=None, mode: str 
     for key in ("max_length_q", "max_length_k"):
         b.pop(key, None)
     if mask is None:
+        if cu is not None:
+            check_cu_seqlens(cu, bsz * s, "cu_seq_lens_q")
         starts = (cu_seqlens_starts(cu, bsz, s, device=ids.device) if cu is not None
                   else document_starts(b["position_ids"]))
         if cu is not None or bool(starts[:, 1:].any()):  # one document per row needs no mask

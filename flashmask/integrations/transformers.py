@@ -32,7 +32,8 @@ Where the mask comes from, in order of precedence (per call of the attention fun
 2. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what ``DataCollatorWithFlattening`` and TRL's
    padding-free collators emit with ``return_flash_attn_kwargs=True``): cumulative document
    lengths over the flattened ``B * S`` tokens; each document attends (causally) to itself only.
-   A document never crosses a row boundary: every row starts a new one.
+   A document never crosses a row boundary: every row starts a new one. They must start at 0,
+   never decrease and end at ``B * S`` (checked once per batch, with one device sync).
 3. restarting ``position_ids`` ``[B, S]`` (TRL packing / padding-free): a new document starts
    wherever ``position_ids[t] != position_ids[t - 1] + 1``, the rule of transformers'
    ``find_packed_sequence_indices`` and of :func:`masks.from_position_ids`.
@@ -77,7 +78,7 @@ from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flashmask.attention import flashmask_attention
 from masks.format import validate as _validate_mask
-from masks.packed import cu_seqlens_starts, document_starts, from_starts
+from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_starts
 
 #: The ``attn_implementation`` name the backend is registered under.
 ATTN_IMPLEMENTATION = "fm_colmask"
@@ -380,6 +381,7 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
             raise _unsupported("different query and key documents (cu_seq_lens_q != cu_seq_lens_k)")
         if sq != sk:
             raise _unsupported("cu_seq_lens_q/k together with a KV cache")
+        _check_once(_checked_cu, cu_q, (bsz * sq,), lambda: check_cu_seqlens(cu_q, bsz * sq, "cu_seq_lens_q"))
         return from_starts(cu_seqlens_starts(cu_q, bsz, sq, device), causal)
 
     position_ids = kwargs.get("position_ids")
@@ -392,16 +394,19 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
     return None
 
 
-# (weak reference to the user's tensor, its version counter, causal, Sq) of the last mask checked.
+# (weak reference to the user's tensor, (its version counter, *arguments)) of the last tensor that
+# passed each check: the mask's values, and cu_seq_lens_q's.
 _checked_mask: list = []
+_checked_cu: list = []
 
 
-def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:
-    """Check the values of a mask that came from the user, once per batch.
+def _check_once(cache: list, user_tensor: torch.Tensor, args: tuple, check) -> None:
+    """Run ``check()`` on a tensor from the user once per batch, not once per layer.
 
     Every layer of a forward pass gets the same tensor object, so only the first layer checks it
-    (one device sync per batch, not one per layer); an in-place change bumps the tensor's version
-    and makes the next call check again. Under ``torch.compile`` the check is left to eager runs.
+    (one device sync per batch); an in-place change bumps the tensor's version and makes the next
+    call check again, and a tensor that fails is never remembered. Under ``torch.compile`` the
+    check is left to eager runs.
     """
     if torch.compiler.is_compiling():
         return
@@ -409,14 +414,22 @@ def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, cau
         version = user_tensor._version
     except RuntimeError:  # inference-mode tensors have no version counter (and cannot change in place)
         version = None
-    key = (version, bool(causal), sq)
-    if _checked_mask and _checked_mask[0]() is user_tensor and _checked_mask[1] == key:
+    key = (version,) + tuple(args)
+    if cache and cache[0]() is user_tensor and cache[1] == key:
         return
-    try:
-        _validate_mask(startend, causal, sq)
-    except ValueError as e:
-        raise ValueError(f"{MASK_KWARG}: {e}") from None
-    _checked_mask[:] = [weakref.ref(user_tensor), key]
+    check()
+    cache[:] = [weakref.ref(user_tensor), key]
+
+
+def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:
+    """Check the values of a mask that came from the user, once per batch (:func:`_check_once`)."""
+    def check():
+        try:
+            _validate_mask(startend, causal, sq)
+        except ValueError as e:
+            raise ValueError(f"{MASK_KWARG}: {e}") from None
+
+    _check_once(_checked_mask, user_tensor, (bool(causal), sq), check)
 
 
 def _apply_attention_mask(startend: Optional[torch.Tensor], attention_mask: torch.Tensor, causal: bool,

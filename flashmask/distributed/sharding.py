@@ -37,6 +37,7 @@ from flashmask.distributed.allgather_kv import allgather_kv_attention
 from flashmask.distributed.plan import MODES, ContextParallelPlan, make_plan
 from flashmask.distributed.ulysses import ulysses_attention
 from flashmask.losses import IGNORE_INDEX
+from masks.format import check_tensor as check_mask_tensor
 from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_position_ids, from_starts
 
 #: Per-token keys that :func:`shard_packed_batch` shards (besides any other ``[B, S]`` tensor).
@@ -55,6 +56,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     local order. Returns ``[B, L, Hq, D]``, differentiable in q, k, v. ``head_groups`` is used by
     all-gather-KV only (see :func:`allgather_kv_attention`).
     """
+    if plan.startend_row_indices is not None:
+        check_mask_tensor(plan.startend_row_indices, batch_size=q.shape[0], name="the plan's startend_row_indices")
     plan.to(q.device)  # the masks follow the activations (a no-op after the first layer)
     if plan.mode == "ulysses":
         return ulysses_attention(q, k, v, plan.startend_row_indices, causal=plan.causal, group=plan.group,
@@ -196,6 +199,8 @@ def shard_packed_batch(batch: Dict[str, torch.Tensor], *, group=None, mode: str 
     if "shift_labels" in b:
         num_items = (b["shift_labels"] != IGNORE_INDEX).sum()
     mask = b.get(mask_key)
+    if mask is not None:
+        check_mask_tensor(mask, batch_size=bsz, name=mask_key)  # the rule of flashmask_attention
     cu = b.pop("cu_seq_lens_q", None)
     b.pop("cu_seq_lens_k", None)
     for key in ("max_length_q", "max_length_k"):

@@ -21,7 +21,8 @@ Select it when building a model::
 Where the mask comes from, in order of precedence (per call of the attention function):
 
 1. ``attn_mask_startend_row_indices``: a model keyword argument (the name PaddleNLP uses), an
-   int32 ``[B, Hm, S, C]`` FlashMask tensor (see docs/format.md), e.g. from
+   int32 ``[B, Hm, S, C]`` FlashMask tensor with ``B`` the batch of ``input_ids`` (the rule of
+   :func:`flashmask.flashmask_attention`, :func:`masks.format.check_tensor`; see docs/format.md), e.g. from
    :class:`flashmask.data.PackedSFTCollator` or :class:`flashmask.data.ShareQuestionCollator`::
 
        model(input_ids=ids, position_ids=pos, attn_mask_startend_row_indices=startend)
@@ -77,6 +78,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flashmask.attention import flashmask_attention
+from masks.format import check_tensor as check_mask_tensor
 from masks.format import validate as _validate_mask
 from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_starts
 
@@ -358,19 +360,10 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
     """The FlashMask tensor for this call (before padding), or None for plain causal/full."""
     startend = kwargs.get(MASK_KWARG)
     if startend is not None:
-        if not isinstance(startend, torch.Tensor):
-            raise TypeError(f"{MASK_KWARG} must be a torch.Tensor [B, Hm, S, C], got {type(startend).__name__}")
-        if startend.dim() != 4:
-            raise ValueError(f"{MASK_KWARG} must have shape [B, Hm, S, C], got {tuple(startend.shape)}")
-        if startend.dtype != torch.int32:
-            if startend.dtype.is_floating_point or startend.dtype == torch.bool:
-                raise ValueError(f"{MASK_KWARG} must be an integer tensor (int32), got {startend.dtype}")
-            startend = startend.to(torch.int32)
+        check_mask_tensor(startend, batch_size=bsz, name=MASK_KWARG)  # the rule of flashmask_attention
         if startend.device != device:
             startend = startend.to(device)
         _check_user_mask_once(kwargs[MASK_KWARG], startend, causal, sq)
-        if startend.shape[0] == 1 and bsz > 1:
-            startend = startend.expand(bsz, -1, -1, -1)
         return startend.contiguous()
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

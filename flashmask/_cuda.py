@@ -125,8 +125,8 @@ def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
 # The binding caches each mask's metadata (per-key-block bounds, the forward's tile order) keyed
 # on the mask tensor and its version counter, so that the layers of a step and their backward
 # reuse it (csrc/api/mask_cache.h). Environment variable FLASHMASK_MASK_CACHE=0 turns it off.
-# Call these outside torch.compile-traced code: Dynamo cannot trace into the pybind11 functions.
-@torch.compiler.disable
+# Call these outside torch.compile-traced code: Dynamo cannot trace into the pybind11 functions
+# (no torch.compiler.disable decorator: it would import torch._dynamo with flashmask, ~4 s on a CPU).
 def mask_cache_stats() -> Tuple[int, int]:
     """(hits, misses) of the mask metadata cache since the last :func:`clear_mask_cache`; calls that
     skip it (no mask, FLASHMASK_MASK_CACHE=0, CUDA graph capture, inference tensors) count as neither."""
@@ -136,7 +136,6 @@ def mask_cache_stats() -> Tuple[int, int]:
     return int(hits), int(misses)
 
 
-@torch.compiler.disable
 def clear_mask_cache() -> None:
     """Drop every cached mask's metadata (its GPU memory returns to the caching allocator) and zero
     the counts of :func:`mask_cache_stats`."""

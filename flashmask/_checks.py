@@ -2,6 +2,8 @@
 the offending argument and what was expected."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 import torch
@@ -30,9 +32,27 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q has batch {q.shape[0]} but k and v have batch {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q has head dim {q.shape[3]} but k and v have head dim {k.shape[3]}")
+    if q.shape[3] < 1:
+        raise ValueError(f"the head dim D of q, k and v must be >= 1, got D={q.shape[3]} (q {tuple(q.shape)})")
     hq, hk = q.shape[2], k.shape[2]
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})")
+
+
+def softmax_scale_value(softmax_scale, head_dim: int) -> float:
+    """The softmax scale to use: ``1 / sqrt(D)`` for ``None``, else ``softmax_scale`` as a finite float > 0."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    expected = "softmax_scale must be a finite float > 0 (or None for 1 / sqrt(head dim))"
+    is_real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+    is_scalar_tensor = (isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1
+                        and softmax_scale.dtype != torch.bool and not softmax_scale.is_complex())
+    if not (is_real or is_scalar_tensor):
+        raise TypeError(f"{expected}, got {type(softmax_scale).__name__} {softmax_scale!r}")
+    value = float(softmax_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{expected}, got {value!r}")
+    return value
 
 
 def check_mask(startend_row_indices: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, causal: bool,

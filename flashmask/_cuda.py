@@ -125,8 +125,8 @@ def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
 # on the mask tensor and its version counter, so that the layers of a step and their backward
 # reuse it (csrc/api/mask_cache.h). Environment variable FLASHMASK_MASK_CACHE=0 turns it off (read once
 # per process, at the first call with a mask).
-# Call these outside torch.compile-traced code: Dynamo cannot trace into the pybind11 functions.
-@torch.compiler.disable
+# Call these outside torch.compile-traced code: Dynamo cannot trace into the pybind11 functions (no
+# torch.compiler.disable decorator here: it would import torch._dynamo along with flashmask).
 def mask_cache_stats() -> Tuple[int, int]:
     """(hits, misses) of the mask metadata cache since the last :func:`clear_mask_cache`; calls that
     skip it (no mask, FLASHMASK_MASK_CACHE=0, CUDA graph capture, inference tensors) count as neither."""
@@ -136,7 +136,6 @@ def mask_cache_stats() -> Tuple[int, int]:
     return int(hits), int(misses)
 
 
-@torch.compiler.disable
 def clear_mask_cache() -> None:
     """Drop every cached mask's metadata (its GPU memory returns to the caching allocator) and zero
     the counts of :func:`mask_cache_stats`."""
@@ -263,7 +262,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_in
             or any(type(t) is not torch.Tensor for t in (q, k, v, startend_row_indices) if t is not None)):
         return fwd(*args)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        # Nothing to differentiate: Function.apply would only add host time (the H100 machine: a
-        # no-grad flashmask_attention call 81.5 -> 50 us with version 44's lighter mask check).
+        # Nothing to differentiate: Function.apply would only add host time to a short call.
         return _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
     return _EagerAttention.apply(*args)

@@ -1,7 +1,6 @@
 """``flashmask_attention``: the functional API and the choice of backend."""
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional, Tuple, Union
 
@@ -33,7 +32,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             its end is empty.
         causal: a bool: add the causal mask, aligned bottom-right when ``Sq != Sk``. Also selects
             how ``C`` is read: causal ``C`` in {1, 2}, non-causal ``C`` in {2, 4}.
-        softmax_scale: defaults to ``1 / sqrt(D)``.
+        softmax_scale: a finite float > 0; defaults to ``1 / sqrt(D)``.
         window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
             the mask where the result is expressible in the column-interval format.
         return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, float64 for float64 inputs;
@@ -76,7 +75,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                       batch_size=q.shape[0], device=q.device)
         else:
             startend_row_indices = merge_window(startend_row_indices, causal, tuple(window_size), q.shape[1])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = _checks.softmax_scale_value(softmax_scale, q.shape[-1])
 
     use_cuda = backend in _cuda.ARCHS
     if backend != "reference":

@@ -40,7 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-IGNORE_INDEX = -100
+from flashmask.losses import IGNORE_INDEX
+
 MASK_KEY = "attn_mask_startend_row_indices"
 PACKING_STRATEGIES = ("bfd", "sequential", "none")
 
@@ -113,11 +114,24 @@ def _positive_int(x, name: str) -> int:
 
 
 def _as_ids(x, what: str) -> torch.Tensor:
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=torch.long)
+    """A 1-D long tensor of token ids; never rounds a float (``[1.5, 2.0]`` is an error, not ``[1, 2]``)."""
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of ints (token ids), got {type(x).__name__} {x[:40]!r}: "
+                        "tokenize the text first")
+    if isinstance(x, torch.Tensor):
+        t = x
+    else:
+        try:  # the dtype is inferred, so that floats stay floats and are rejected below
+            t = torch.as_tensor(x if hasattr(x, "__array__") else list(x))
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{what} must be a sequence of ints (token ids), got {type(x).__name__} "
+                            f"{str(x)[:60]}") from None
     if t.dim() != 1:
         raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {tuple(t.shape)}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise ValueError(f"{what} must hold integer token ids, got {t.dtype}")
+    if t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        odd = t[t != t.round()] if t.dtype.is_floating_point else t
+        example = (odd if odd.numel() else t)[0].item()
+        raise ValueError(f"{what} must hold integer token ids, got {t.dtype} values such as {example!r}")
     return t.to(torch.long)
 
 

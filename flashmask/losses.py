@@ -28,6 +28,8 @@ from typing import Optional, Union
 
 import torch
 
+#: The label of a token without a target (transformers' and ``cross_entropy``'s ``ignore_index``);
+#: the one definition, also importable as ``flashmask.data.IGNORE_INDEX``.
 IGNORE_INDEX = -100
 
 __all__ = ["linear_cross_entropy", "causal_lm_loss", "linear_token_logps", "IGNORE_INDEX"]

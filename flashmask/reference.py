@@ -27,7 +27,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Inputs as :func:`flashmask.flashmask_attention` (no checks here: callers validate). Half
     inputs are computed in float32, float64 in float64; ``out`` has the input dtype, ``lse`` is
     float32 (float64 for float64 inputs). Rows that no key may attend give ``out = 0`` and
-    ``lse = +inf`` with zero gradients.
+    ``lse = +inf`` with zero gradients; non-finite inputs that reach a visible score propagate
+    as NaN (as in ``torch.nn.functional.scaled_dot_product_attention``).
     """
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -52,15 +53,18 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             allowed = allowed.repeat_interleave(hq // allowed.shape[1], dim=1)
         s = torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale
         s = s.masked_fill(~allowed, float("-inf"))
-        # The row max only stabilises the exponentials: softmax does not depend on it, so it is
-        # detached, and replaced by 0 on empty rows so that no -inf - -inf appears.
+        # A row is empty when the mask hides every key (out 0, lse +inf), not when its scores
+        # underflow: a visible key whose score is -inf, +inf or NaN (non-finite inputs) gives NaN,
+        # as softmax does. The row max only stabilises the exponentials: softmax does not depend
+        # on it, so it is detached, and it is 0 on empty rows so that no -inf - -inf appears there.
+        empty = ~allowed.any(dim=-1, keepdim=True)
         m = s.amax(dim=-1, keepdim=True).detach()
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = torch.where(empty, torch.zeros_like(m), m)
         e = torch.exp(s - m)
         denom = e.sum(dim=-1, keepdim=True)
-        empty = denom == 0
         safe = torch.where(empty, torch.ones_like(denom), denom)
-        outs.append(torch.matmul(e, vh) / safe)
+        out = torch.matmul(e, vh) / safe
+        outs.append(torch.where(empty, torch.zeros_like(out), out))  # even where V holds inf or NaN
         lse = torch.where(empty, torch.full_like(denom, float("inf")), m + torch.log(safe))
         lses.append(lse.squeeze(-1))
     out = torch.cat(outs, dim=2).transpose(1, 2).to(q.dtype)

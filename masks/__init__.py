@@ -19,7 +19,7 @@ from .causal_blockwise import causal_blockwise_mask_mod
 from .causal_document import causal_document_mask_mod
 from .convert import from_dense, merge_window, window_to_startend
 from .document import document_mask_mod
-from .format import Intervals, check_columns, to_dense, unpack, validate
+from .format import Intervals, check_columns, check_tensor, to_dense, unpack, validate
 from .full import full_mask_mod
 from .global_sliding_window import global_sliding_window_mask_mod
 from .packed import document_starts, from_cu_seqlens, from_position_ids
@@ -52,8 +52,8 @@ qk_sparse = qk_sparse.qk_sparse
 random_eviction = random_eviction.random_eviction
 
 __all__ = [
-    "FAMILIES", "Intervals", "check_columns", "unpack", "to_dense", "validate", "from_dense", "window_to_startend",
-    "merge_window", "from_cu_seqlens", "from_position_ids", "document_starts", "plot_mask", "visible_fraction",
-    "eviction_rows",
+    "FAMILIES", "Intervals", "check_columns", "check_tensor", "unpack", "to_dense", "validate", "from_dense",
+    "window_to_startend", "merge_window", "from_cu_seqlens", "from_position_ids", "document_starts", "plot_mask",
+    "visible_fraction", "eviction_rows",
     *FAMILIES, *(f"{n}_mask_mod" for n in FAMILIES),
 ]

@@ -61,6 +61,28 @@ def _check_shape(startend_row_indices: torch.Tensor, causal: bool) -> int:
     return c
 
 
+def check_tensor(startend_row_indices, *, batch_size: Optional[int] = None,
+                 name: str = "startend_row_indices") -> None:
+    """The rule for a mask tensor, the same at every entry point (``flashmask_attention``, the
+    modules, the Hugging Face and context-parallel backends, :func:`to_dense`, :func:`validate`).
+
+    A ``torch.Tensor`` of dtype ``torch.int32`` with 4 dimensions ``[B, Hm, Sk, C]`` and, where the
+    inputs' batch is known, ``B`` equal to it: no dtype conversion, no broadcasting over the batch.
+    Raises naming ``name``, the value and what was expected; no device sync.
+    """
+    t = startend_row_indices
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be torch.int32, got {t.dtype} (row indices: convert integer masks "
+                         "with .to(torch.int32))")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions [B, Hm, Sk, C], got shape {tuple(t.shape)}")
+    if batch_size is not None and t.shape[0] != batch_size:
+        raise ValueError(f"{name} has batch {t.shape[0]} but the inputs have batch {batch_size}: the mask needs "
+                         f"one row per sample (e.g. .expand({batch_size}, -1, -1, -1))")
+
+
 def unpack(startend_row_indices: torch.Tensor, causal: bool) -> Intervals:
     """Split ``[B, Hm, Sk, C]`` into its named vectors for the given causal mode."""
     c = _check_shape(startend_row_indices, causal)
@@ -79,7 +101,8 @@ def to_dense(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen_
     For tests, pictures and the reference path only: it is O(Sq * Sk). ``seqlen_q`` defaults to
     ``Sk``; ``rows`` restricts the result to a slice of query rows, so that a caller can expand a
     large mask a chunk at a time. With ``startend_row_indices=None`` the mask is ``[1, 1, Sq, Sk]``
-    and holds only the causal triangle (``seqlen_k`` is then required).
+    and holds only the causal triangle (``seqlen_k`` is then required). The mask tensor must
+    follow :func:`check_tensor` (int32, ``[B, Hm, Sk, C]``), as everywhere else.
 
     Example::
 
@@ -93,6 +116,7 @@ def to_dense(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen_
         sk = seqlen_k
         device = None
     else:
+        check_tensor(startend_row_indices)
         sk = startend_row_indices.shape[2]
         if seqlen_k is not None and seqlen_k != sk:
             raise ValueError(f"seqlen_k={seqlen_k} but startend_row_indices has Sk={sk}")
@@ -120,21 +144,16 @@ def validate(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: Optiona
              check_values: bool = True) -> None:
     """Check a ``startend_row_indices`` tensor; raise ``ValueError`` naming what is wrong.
 
-    Checks the dtype (int32), rank, ``C`` against ``causal``, ``B``, ``Hm`` (1, Hk or Hq) and
-    ``Sk`` against the given sizes and, with ``check_values``, that every value lies in
-    ``[0, Sq]`` and that ``LTS <= LTE`` and ``UTS <= UTE``; a value error names the first bad
+    Checks :func:`check_tensor` (int32, 4-D, ``B`` against ``batch_size``), ``C`` against
+    ``causal``, ``Hm`` (1, Hk or Hq) and ``Sk`` against the given sizes and, with
+    ``check_values``, that every value lies in ``[0, Sq]`` and that ``LTS <= LTE`` and ``UTS <= UTE``; a value error names the first bad
     (batch, head, column). The value check of a valid mask reads one flag back to the host (one
     device sync).
     """
     t = startend_row_indices
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise ValueError(f"startend_row_indices must be torch.int32, got {t.dtype}")
+    check_tensor(t, batch_size=batch_size)
     _check_shape(t, causal)  # not unpack: its views cost host time on every attention call
     b, hm, sk, _ = t.shape
-    if batch_size is not None and b != batch_size:
-        raise ValueError(f"startend_row_indices has batch {b} but the inputs have batch {batch_size}")
     if seqlen_k is not None and sk != seqlen_k:
         raise ValueError(f"startend_row_indices has Sk={sk} columns but the keys have length {seqlen_k}")
     if num_heads_q is not None and hm not in (1, num_heads_q, num_heads_k):

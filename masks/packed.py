@@ -5,10 +5,11 @@ concatenate documents into one row and emit either cumulative lengths ``cu_seqle
 flash-attn varlen takes) or ``position_ids`` that restart at each document. Both become the
 causal-document (C=1: LTS = doc end) or document (C=2: LTS = doc end, UTE = doc start) format.
 
-The packed-sequence rule, the same everywhere in flashmask (this module, the Hugging Face backend,
-the collators): a new document starts at token 0 and wherever the position id does not grow by
-exactly 1 from the previous token, as transformers' ``masking_utils.find_packed_sequence_indices``
-decides. See docs/format.md, "Packed sequences".
+The packed-sequence rule lives here and only here (the Hugging Face backend and the
+context-parallel batch sharding call these functions): a new document starts at token 0 and
+wherever the position id does not grow by exactly 1 from the previous token, as transformers'
+``masking_utils.find_packed_sequence_indices`` decides; ``cu_seqlens`` give the boundaries
+directly. See docs/format.md, "Packed sequences".
 
 Example::
 
@@ -21,7 +22,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -36,21 +37,52 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool = True, seqlen: Optio
     longer ``seqlen`` makes the tokens after ``cu[-1]`` one more document (e.g. padding).
     Reads ``cu_seqlens`` on the host once for the checks.
     """
+    vals = check_cu_seqlens(cu_seqlens)
     cu = torch.as_tensor(cu_seqlens)
-    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
     cu = cu.to(device=device if device is not None else cu.device, dtype=torch.long)
-    vals = cu.tolist()
-    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {vals[:8]}{'...' if len(vals) > 8 else ''}")
     s = vals[-1] if seqlen is None else seqlen
     if not is_int(s) or s < 1 or s < vals[-1]:
         raise ValueError(f"seqlen must be a positive int >= cu_seqlens[-1]={vals[-1]}, got {s!r}")
-    bounds = torch.cat([cu, cu.new_tensor([s])])  # the tail (if any) ends at seqlen
-    t = torch.arange(s, device=cu.device)
-    k = torch.searchsorted(bounds, t, right=True)  # first boundary after token t
-    end, start = bounds[k].view(1, s), bounds[k - 1].view(1, s)
-    return finish([end] if causal else [end, start], causal, s, validate)
+    return from_starts(cu_seqlens_starts(cu, 1, s), causal, validate=validate)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: Optional[int] = None, name: str = "cu_seqlens") -> List[int]:
+    """Raise ``ValueError`` unless ``cu_seqlens`` is a 1-D integer tensor that starts at 0, never
+    decreases (a repeat is an empty document) and, when ``total`` is given, ends exactly at
+    ``total`` (every token in one document). Returns the values (read on the host: one sync)."""
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor [n_docs + 1], got {cu.dtype} {tuple(cu.shape)}")
+    vals = cu.tolist()
+    shown = f"{vals[:8]}{'...' if len(vals) > 8 else ''}"
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {shown}")
+    for k, (a, b) in enumerate(zip(vals, vals[1:])):
+        if b < a:
+            raise ValueError(f"{name} must be non-decreasing, got {shown} ({name}[{k + 1}]={b} < {name}[{k}]={a})")
+    if total is not None and vals[-1] != total:
+        where = "runs past" if vals[-1] > total else "stops before"
+        raise ValueError(f"{name} must end at the number of tokens B * S = {total}, got {name}[-1]={vals[-1]} "
+                         f"({where} the end of the batch): {shown}")
+    return vals
+
+
+def cu_seqlens_starts(cu_seqlens: torch.Tensor, batch_size: int, seqlen: int, device=None) -> torch.Tensor:
+    """bool ``[B, S]``, True where a packed document starts, from ``cu_seqlens`` over the flattened
+    ``B * S`` tokens (documents ``[cu[k], cu[k+1])``, as flash-attn varlen takes them).
+
+    Every row starts a document too: a document never crosses a row boundary. Tokens after
+    ``cu[-1]`` form one more document; boundaries past ``B * S`` are ignored. Vectorised, no host
+    sync (the callers check the values where they must).
+    """
+    total = batch_size * seqlen
+    cu = torch.as_tensor(cu_seqlens)
+    cu = cu.to(device=device if device is not None else cu.device, dtype=torch.long).reshape(-1)
+    flat = torch.zeros(total + 1, dtype=torch.bool, device=cu.device)
+    flat[cu.clamp(0, total)] = True
+    starts = flat[:total].view(batch_size, seqlen).clone()
+    starts[:, 0] = True
+    return starts
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:

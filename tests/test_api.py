@@ -423,3 +423,30 @@ def test_window_mask_has_one_row_per_sample(monkeypatch):
     q, k, v = (torch.randn(3, 20, 2, 8) for _ in range(3))
     attention.flashmask_attention(q, k, v, causal=True, window_size=(4, 0))
     assert seen["mask"].shape[0] == 3
+
+
+@pytest.mark.parametrize("scale, exc, match", [
+    (float("nan"), ValueError, r"softmax_scale must be a finite float > 0 \(or None for 1 / sqrt\(head dim\)\), got nan"),
+    (float("inf"), ValueError, r"softmax_scale must be a finite float > 0 .*got inf"),
+    (0.0, ValueError, r"softmax_scale must be a finite float > 0 .*got 0\.0"),
+    (-0.5, ValueError, r"softmax_scale must be a finite float > 0 .*got -0\.5"),
+    ("abc", TypeError, r"softmax_scale must be a finite float > 0 .*got str 'abc'"),
+    (True, TypeError, r"softmax_scale must be a finite float > 0 .*got bool True"),
+    (torch.ones(2), TypeError, r"softmax_scale must be a finite float > 0 .*got Tensor"),
+])
+def test_softmax_scale_must_be_finite_and_positive(scale, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(_good(), softmax_scale=scale)
+
+
+def test_softmax_scale_takes_ints_and_one_element_tensors():
+    args = _good()
+    want = _call(args, softmax_scale=2.0)
+    assert torch.equal(_call(args, softmax_scale=2), want)
+    assert torch.equal(_call(args, softmax_scale=torch.tensor(2.0)), want)
+
+
+def test_head_dim_zero_is_an_error_not_a_division_by_zero():
+    q, k, v = torch.randn(1, 4, 2, 0), torch.randn(1, 4, 2, 0), torch.randn(1, 4, 2, 0)
+    with pytest.raises(ValueError, match=r"the head dim D of q, k and v must be >= 1, got D=0"):
+        flashmask_attention(q, k, v, causal=True)

@@ -164,6 +164,31 @@ def test_sft_collator_errors():
         PackedSFTCollator(4, pad_token_id=-1)
 
 
+@pytest.mark.parametrize("ids, err, match", [
+    ([1.5, 2.0], ValueError, r"sample 0 input_ids must hold integer token ids, got torch.float32 values such as 1.5"),
+    ([2.0, 3.0], ValueError, r"sample 0 input_ids must hold integer token ids, got torch.float32"),  # no rounding
+    ("hello", TypeError, r"sample 0 input_ids must be a sequence of ints \(token ids\), got str 'hello'"),
+    (["a", "b"], TypeError, r"sample 0 input_ids must be a sequence of ints \(token ids\), got list"),
+    (7, TypeError, r"sample 0 input_ids must be a sequence of ints \(token ids\), got int 7"),
+    ([True, False], ValueError, r"integer token ids, got torch.bool"),
+])
+def test_collators_take_integer_token_ids_only(ids, err, match):
+    with pytest.raises(err, match=match):
+        PackedSFTCollator(8)([{"input_ids": ids}])
+    with pytest.raises(err, match=match.replace("input_ids", "chosen_ids")):
+        ShareQuestionCollator(8)([{"prompt_ids": [1], "chosen_ids": ids, "rejected_ids": [2]}])
+    with pytest.raises(err, match=match.replace("input_ids", "labels")):
+        PackedSFTCollator(8)([{"input_ids": [1, 2], "labels": ids}])
+
+
+def test_collators_take_ints_from_lists_tuples_tensors_and_numpy():
+    np = pytest.importorskip("numpy")
+    b = PackedSFTCollator(8, packing="sequential")([{"input_ids": [1, 2]}, {"input_ids": (3,)},
+                                                   {"input_ids": torch.tensor([4], dtype=torch.int32)},
+                                                   {"input_ids": np.array([5, 6])}])
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
+
+
 # ------------------------------------------------------------------------------------------------ share question
 
 def _triples(seed=0, n=7):

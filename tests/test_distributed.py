@@ -645,3 +645,11 @@ def hf_world2(tmp_path_factory):
 def test_transformers_fsdp2_context_parallel(hf_world2, name):
     assert name in hf_world2, f"case {name} did not run"
     assert not hf_world2[name], "\n".join(hf_world2[name])
+
+
+@pytest.mark.parametrize("cu, match", [([0, 8, 20], "stops before"), ([0, 8, 40], "runs past"),
+                                       ([4, 8, 32], "must start at 0"), ([0, 20, 8, 32], "non-decreasing")])
+def test_shard_checks_cu_seq_lens(cu, match):
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "cu_seq_lens_q": torch.tensor(cu)}
+    with pytest.raises(ValueError, match=f"cu_seq_lens_q .*{match}"):
+        fmd.shard_packed_batch(batch, mode="ulysses")

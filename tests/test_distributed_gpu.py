@@ -12,11 +12,11 @@ and asserts, on the rank's rows of out, dq, dk and dv, the bound of the GPU test
 baseline's plus a small epsilon. It also reports the largest difference between
 the context-parallel result and the single-GPU kernels.
 
-Run (the lead's GPU box, 2 GPUs)::
+Run from the checkout's root (2 GPUs)::
 
-    python -m pytest -q tests/test_distributed_gpu.py            # spawns 2 NCCL processes
-    torchrun --nproc-per-node 2 tests/test_distributed_gpu.py    # the same, printing a table
-    python tests/test_distributed_gpu.py --device cpu --tiny     # dry run: gloo, reference path
+    python -m pytest -q tests/test_distributed_gpu.py                 # spawns 2 NCCL processes
+    torchrun --nproc-per-node 2 -m tests.test_distributed_gpu         # the same, printing a table
+    python -m tests.test_distributed_gpu --device cpu --tiny          # dry run: gloo, reference path
 
 Without 2 GPUs and the built kernels the GPU test skips; the CPU dry run (the same code with gloo
 and the reference path at tiny sizes) runs everywhere.
@@ -31,21 +31,16 @@ import tempfile
 import time
 import traceback
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (_HERE, os.path.dirname(_HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from attn_helpers import error_bound, low_precision_attention, max_err, random_startend  # noqa: E402
-from flashmask import _cuda, flashmask_attention  # noqa: E402
-from flashmask import distributed as fmd  # noqa: E402
-from flashmask.reference import reference_attention  # noqa: E402
-from masks.examples import example  # noqa: E402
+from flashmask import _cuda, flashmask_attention
+from flashmask import distributed as fmd
+from flashmask.reference import reference_attention
+from masks.examples import example
+from tests.attn_helpers import error_bound, low_precision_attention, max_err, random_startend
 
 
 def cases(tiny: bool):

@@ -452,3 +452,26 @@ def test_docstring_examples():
 
     res = doctest.testmod(fm_hf)
     assert res.failed == 0 and res.attempted >= 3
+
+
+@pytest.mark.parametrize("cu, match", [
+    ([0, 8, 20], r"cu_seq_lens_q must end at the number of tokens B \* S = 32, got cu_seq_lens_q\[-1\]=20 \(stops"),
+    ([0, 8, 40], r"cu_seq_lens_q must end at .* B \* S = 32, got cu_seq_lens_q\[-1\]=40 \(runs past"),
+    ([4, 8, 32], r"cu_seq_lens_q must start at 0, got \[4, 8, 32\]"),
+    ([0, 20, 8, 32], r"cu_seq_lens_q must be non-decreasing, got .*cu_seq_lens_q\[2\]=8 < cu_seq_lens_q\[1\]=20"),
+    ([[0, 8, 32]], r"cu_seq_lens_q must be a 1-D integer tensor"),
+])
+@pytest.mark.parametrize("bsz", [1, 2])
+def test_cu_seq_lens_must_cover_the_batch_exactly(cu, match, bsz):
+    """cu_seq_lens index the B * S = 32 flattened tokens: from 0, never down, to the last token."""
+    m = torch.nn.Module()
+    s = 32 // bsz
+    q = torch.randn(bsz, 4, s, 8)
+    k = v = torch.randn(bsz, 2, s, 8)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        fm_hf.flashmask_attention_forward(m, q, k, v, None, cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t)
+    with pytest.raises(ValueError, match=match):  # a bad tensor is never remembered as checked
+        fm_hf.flashmask_attention_forward(m, q, k, v, None, cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t)
+    good = torch.tensor([0, 8, 8, 32], dtype=torch.int32)  # a repeat is an empty document
+    fm_hf.flashmask_attention_forward(m, q, k, v, None, cu_seq_lens_q=good, cu_seq_lens_k=good)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import masks
 from attn_helpers import (TIGHT, check_matches, dense_from_intervals, dense_from_mask_mod, error_bound, max_err,
                           naive_attention, random_startend)
+from flashmask import flashmask_attention
 from flashmask.reference import reference_attention
 from masks.examples import example
 
@@ -315,6 +316,45 @@ def test_every_row_masked():
     se = torch.tensor([0, 5], dtype=torch.int32).expand(1, 1, 4, 2)  # non-causal: rows >= 0
     out, lse = reference_attention(q, k, v, se, causal=False)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+
+
+def _sdpa_math(q, k, v, allowed):
+    """softmax attention in float64 from the definition (what SDPA's math backend computes)."""
+    s = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+    return torch.matmul(p, v.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("what", ["q +inf, visible score -inf", "q +inf, visible score +inf", "k nan", "v inf"])
+def test_non_finite_inputs_propagate_as_nan(what):
+    """A row with a visible key whose score is not finite gives NaN (as softmax does), one whose
+    value is inf gives inf; a row the mask hides entirely keeps out 0 and lse +inf whatever the
+    inputs hold."""
+    sq = sk = 6
+    q, k, v = _qkv(1, sq, sk, 1, 1, 4)
+    se = torch.tensor([[2, 6, 6, 6, 6, 6]], dtype=torch.int32).view(1, 1, sk, 1)  # LTS; row 1 empty below
+    se[0, 0, 1, 0] = 1  # key 1: hidden from rows >= 1
+    se[0, 0, 0, 0] = 1  # key 0: hidden from rows >= 1, so row 1 (causal: keys 0, 1) sees nothing
+    row, hidden_row = 0, 1  # causal row 0 sees key 0 only
+    if what.startswith("q +inf"):
+        q[0, row] = float("inf")
+        k[0, 0] = -1.0 if "-inf" in what else 1.0
+        q[0, hidden_row] = float("inf")
+    elif what == "k nan":
+        k[0, 0] = float("nan")  # seen by row 0 only
+    else:
+        v[0, 0] = float("inf")
+    allowed = dense_from_intervals(se, True, sq, sk)
+    out, lse = reference_attention(q, k, v, se, causal=True)
+    want = _sdpa_math(q, k, v, allowed)
+    assert not torch.isfinite(out[0, row]).any(), what
+    seen = [r for r in range(sq) if r != hidden_row]
+    torch.testing.assert_close(out[0, seen], want[0, seen], equal_nan=True)
+    assert torch.isfinite(lse[0, :, row]).all() if what == "v inf" else torch.isnan(lse[0, :, row]).all(), what
+    assert torch.equal(out[0, hidden_row], torch.zeros_like(out[0, hidden_row])), what
+    assert torch.isposinf(lse[0, :, hidden_row]).all(), what
+    via_api = flashmask_attention(q, k, v, se, causal=True, backend="reference")
+    assert torch.equal(via_api.isnan(), out.isnan())
 
 
 def test_zero_length_keys_give_empty_rows():

@@ -25,6 +25,7 @@ import torch
 from flashmask.distributed import _comm
 from flashmask.distributed.balance import Balance, balance_chunks
 from flashmask.distributed.intervals import slice_rows
+from masks.format import check_tensor as check_mask_tensor
 
 MODES = ("ulysses", "allgather_kv")
 
@@ -139,8 +140,7 @@ def make_plan(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if startend_row_indices is not None:
-        if startend_row_indices.dim() != 4:
-            raise ValueError(f"startend_row_indices must be [B, Hm, S, C], got {tuple(startend_row_indices.shape)}")
+        check_mask_tensor(startend_row_indices)
         sk = startend_row_indices.shape[2]
         if seqlen is not None and int(seqlen) != sk:
             raise ValueError(f"seqlen={seqlen} but the mask has Sk={sk}")

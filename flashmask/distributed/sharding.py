@@ -31,13 +31,15 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from flashmask.data import MASK_KEY
+from flashmask.distributed import _comm
 from flashmask.distributed.allgather_kv import allgather_kv_attention
 from flashmask.distributed.plan import MODES, ContextParallelPlan, make_plan
 from flashmask.distributed.ulysses import ulysses_attention
-from flashmask.distributed import _comm
+from flashmask.losses import IGNORE_INDEX
+from masks.format import check_tensor as check_mask_tensor
+from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_position_ids, from_starts
 
-IGNORE_INDEX = -100
-MASK_KEY = "attn_mask_startend_row_indices"
 #: Per-token keys that :func:`shard_packed_batch` shards (besides any other ``[B, S]`` tensor).
 TOKEN_KEYS = ("input_ids", "position_ids", "shift_labels")
 
@@ -54,6 +56,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     local order. Returns ``[B, L, Hq, D]``, differentiable in q, k, v. ``head_groups`` is used by
     all-gather-KV only (see :func:`allgather_kv_attention`).
     """
+    if plan.startend_row_indices is not None:
+        check_mask_tensor(plan.startend_row_indices, batch_size=q.shape[0], name="the plan's startend_row_indices")
     plan.to(q.device)  # the masks follow the activations (a no-op after the first layer)
     if plan.mode == "ulysses":
         return ulysses_attention(q, k, v, plan.startend_row_indices, causal=plan.causal, group=plan.group,
@@ -75,28 +79,9 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 def document_mask_from_position_ids(position_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """int32 ``[B, 1, S, C]`` document mask: a document starts at token 0 and wherever the position
-    does not grow by exactly 1 (docs/format.md). Causal: C=1 (LTS = document end); else C=2."""
-    pos = position_ids if position_ids.dim() == 2 else position_ids.view(1, -1)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    return _mask_from_starts(starts, causal)
-
-
-def _mask_from_starts(starts: torch.Tensor, causal: bool) -> torch.Tensor:
-    bsz, s = starts.shape
-    idx = torch.arange(s, device=starts.device).expand(bsz, s)
-    nxt = torch.cat([torch.where(starts, idx, s)[:, 1:], torch.full((bsz, 1), s, device=starts.device)], 1)
-    end = nxt.flip(-1).cummin(-1).values.flip(-1)
-    cols = [end] if causal else [end, torch.where(starts, idx, 0).cummax(-1).values]
-    return torch.stack(cols, -1).to(torch.int32).unsqueeze(1)
-
-
-def _starts_from_cu(cu: torch.Tensor, bsz: int, s: int) -> torch.Tensor:
-    flat = torch.zeros(bsz * s + 1, dtype=torch.bool, device=cu.device)
-    flat[cu.long().clamp(0, bsz * s)] = True
-    starts = flat[:-1].view(bsz, s).clone()
-    starts[:, 0] = True
-    return starts
+    does not grow by exactly 1 (:func:`masks.from_position_ids`, docs/format.md). Causal: C=1
+    (LTS = document end); else C=2."""
+    return from_position_ids(position_ids, causal, validate=False)
 
 
 def _pad_mask(mask: Optional[torch.Tensor], causal: bool, s: int, s_new: int, bsz: int, device) -> Optional[torch.Tensor]:
@@ -214,17 +199,19 @@ def shard_packed_batch(batch: Dict[str, torch.Tensor], *, group=None, mode: str 
     if "shift_labels" in b:
         num_items = (b["shift_labels"] != IGNORE_INDEX).sum()
     mask = b.get(mask_key)
+    if mask is not None:
+        check_mask_tensor(mask, batch_size=bsz, name=mask_key)  # the rule of flashmask_attention
     cu = b.pop("cu_seq_lens_q", None)
     b.pop("cu_seq_lens_k", None)
     for key in ("max_length_q", "max_length_k"):
         b.pop(key, None)
     if mask is None:
         if cu is not None:
-            mask = _mask_from_starts(_starts_from_cu(cu.to(ids.device), bsz, s), causal)
-        else:
-            pos = b["position_ids"]
-            if bool((pos[:, 1:] != pos[:, :-1] + 1).any()):
-                mask = document_mask_from_position_ids(pos, causal)
+            check_cu_seqlens(cu, bsz * s, "cu_seq_lens_q")
+        starts = (cu_seqlens_starts(cu, bsz, s, device=ids.device) if cu is not None
+                  else document_starts(b["position_ids"]))
+        if cu is not None or bool(starts[:, 1:].any()):  # one document per row needs no mask
+            mask = from_starts(starts, causal)
     b[mask_key] = mask
     world, _ = _comm.world_and_rank(group)
     # all-gather-KV: room for the balancer's finest default chunking (8 chunks per rank)

@@ -21,7 +21,8 @@ Select it when building a model::
 Where the mask comes from, in order of precedence (per call of the attention function):
 
 1. ``attn_mask_startend_row_indices``: a model keyword argument (the name PaddleNLP uses), an
-   int32 ``[B, Hm, S, C]`` FlashMask tensor (see docs/format.md), e.g. from
+   int32 ``[B, Hm, S, C]`` FlashMask tensor with ``B`` the batch of ``input_ids`` (the rule of
+   :func:`flashmask.flashmask_attention`, :func:`masks.format.check_tensor`; see docs/format.md), e.g. from
    :class:`flashmask.data.PackedSFTCollator` or :class:`flashmask.data.ShareQuestionCollator`::
 
        model(input_ids=ids, position_ids=pos, attn_mask_startend_row_indices=startend)
@@ -32,7 +33,8 @@ Where the mask comes from, in order of precedence (per call of the attention fun
 2. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what ``DataCollatorWithFlattening`` and TRL's
    padding-free collators emit with ``return_flash_attn_kwargs=True``): cumulative document
    lengths over the flattened ``B * S`` tokens; each document attends (causally) to itself only.
-   A document never crosses a row boundary: every row starts a new one.
+   A document never crosses a row boundary: every row starts a new one. They must start at 0,
+   never decrease and end at ``B * S`` (checked once per batch, with one device sync).
 3. restarting ``position_ids`` ``[B, S]`` (TRL packing / padding-free): a new document starts
    wherever ``position_ids[t] != position_ids[t - 1] + 1``, the rule of transformers'
    ``find_packed_sequence_indices`` and of :func:`masks.from_position_ids`.
@@ -76,8 +78,9 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flashmask.attention import flashmask_attention
+from masks.format import check_tensor as check_mask_tensor
 from masks.format import validate as _validate_mask
-from masks.packed import document_starts, from_starts
+from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_starts
 
 #: The ``attn_implementation`` name the backend is registered under.
 ATTN_IMPLEMENTATION = "fm_colmask"
@@ -357,19 +360,10 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
     """The FlashMask tensor for this call (before padding), or None for plain causal/full."""
     startend = kwargs.get(MASK_KWARG)
     if startend is not None:
-        if not isinstance(startend, torch.Tensor):
-            raise TypeError(f"{MASK_KWARG} must be a torch.Tensor [B, Hm, S, C], got {type(startend).__name__}")
-        if startend.dim() != 4:
-            raise ValueError(f"{MASK_KWARG} must have shape [B, Hm, S, C], got {tuple(startend.shape)}")
-        if startend.dtype != torch.int32:
-            if startend.dtype.is_floating_point or startend.dtype == torch.bool:
-                raise ValueError(f"{MASK_KWARG} must be an integer tensor (int32), got {startend.dtype}")
-            startend = startend.to(torch.int32)
+        check_mask_tensor(startend, batch_size=bsz, name=MASK_KWARG)  # the rule of flashmask_attention
         if startend.device != device:
             startend = startend.to(device)
         _check_user_mask_once(kwargs[MASK_KWARG], startend, causal, sq)
-        if startend.shape[0] == 1 and bsz > 1:
-            startend = startend.expand(bsz, -1, -1, -1)
         return startend.contiguous()
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -380,7 +374,8 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
             raise _unsupported("different query and key documents (cu_seq_lens_q != cu_seq_lens_k)")
         if sq != sk:
             raise _unsupported("cu_seq_lens_q/k together with a KV cache")
-        return from_starts(_starts_from_cu_seqlens(cu_q, bsz, sq, device), causal)
+        _check_once(_checked_cu, cu_q, (bsz * sq,), lambda: check_cu_seqlens(cu_q, bsz * sq, "cu_seq_lens_q"))
+        return from_starts(cu_seqlens_starts(cu_q, bsz, sq, device), causal)
 
     position_ids = kwargs.get("position_ids")
     if use_position_ids and position_ids is not None and sq == sk and sq > 1 and position_ids.dim() in (1, 2) \
@@ -392,16 +387,19 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
     return None
 
 
-# (weak reference to the user's tensor, its version counter, causal, Sq) of the last mask checked.
+# (weak reference to the user's tensor, (its version counter, *arguments)) of the last tensor that
+# passed each check: the mask's values, and cu_seq_lens_q's.
 _checked_mask: list = []
+_checked_cu: list = []
 
 
-def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:
-    """Check the values of a mask that came from the user, once per batch.
+def _check_once(cache: list, user_tensor: torch.Tensor, args: tuple, check) -> None:
+    """Run ``check()`` on a tensor from the user once per batch, not once per layer.
 
     Every layer of a forward pass gets the same tensor object, so only the first layer checks it
-    (one device sync per batch, not one per layer); an in-place change bumps the tensor's version
-    and makes the next call check again. Under ``torch.compile`` the check is left to eager runs.
+    (one device sync per batch); an in-place change bumps the tensor's version and makes the next
+    call check again, and a tensor that fails is never remembered. Under ``torch.compile`` the
+    check is left to eager runs.
     """
     if torch.compiler.is_compiling():
         return
@@ -409,25 +407,22 @@ def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, cau
         version = user_tensor._version
     except RuntimeError:  # inference-mode tensors have no version counter (and cannot change in place)
         version = None
-    key = (version, bool(causal), sq)
-    if _checked_mask and _checked_mask[0]() is user_tensor and _checked_mask[1] == key:
+    key = (version,) + tuple(args)
+    if cache and cache[0]() is user_tensor and cache[1] == key:
         return
-    try:
-        _validate_mask(startend, causal, sq)
-    except ValueError as e:
-        raise ValueError(f"{MASK_KWARG}: {e}") from None
-    _checked_mask[:] = [weakref.ref(user_tensor), key]
+    check()
+    cache[:] = [weakref.ref(user_tensor), key]
 
 
-def _starts_from_cu_seqlens(cu: torch.Tensor, bsz: int, seqlen: int, device) -> torch.Tensor:
-    """bool ``[B, S]``: True where a document starts (cu_seqlens index the flattened B*S tokens)."""
-    total = bsz * seqlen
-    cu = cu.to(device=device, dtype=torch.long).reshape(-1)
-    flat = torch.zeros(total + 1, dtype=torch.bool, device=device)
-    flat[cu.clamp(0, total)] = True  # documents may end before the last token: the rest is one more
-    starts = flat[:total].view(bsz, seqlen).clone()
-    starts[:, 0] = True  # every row starts a document
-    return starts
+def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:
+    """Check the values of a mask that came from the user, once per batch (:func:`_check_once`)."""
+    def check():
+        try:
+            _validate_mask(startend, causal, sq)
+        except ValueError as e:
+            raise ValueError(f"{MASK_KWARG}: {e}") from None
+
+    _check_once(_checked_mask, user_tensor, (bool(causal), sq), check)
 
 
 def _apply_attention_mask(startend: Optional[torch.Tensor], attention_mask: torch.Tensor, causal: bool,

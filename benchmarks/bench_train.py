@@ -1,6 +1,6 @@
 """End to end: a packed SFT training step of a 0.5B-3B Llama-style model, per attention backend.
 
-A randomly initialised transformers model (``training_examples/example_utils.build_model``; presets
+A randomly initialised transformers model (``training_examples.models.build_model``; presets
 ``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``3b`` = Llama-3.2-3B shape (head dim
 128), ``tiny`` for CPU tests) trains with
 AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
@@ -54,10 +54,8 @@ from benchmarks import common  # noqa: E402
 
 import torch  # noqa: E402
 
-_EXAMPLES = os.path.join(common.ROOT, "training_examples")
-if _EXAMPLES not in sys.path:  # as the training examples import it
-    sys.path.insert(0, _EXAMPLES)
-import example_utils  # noqa: E402
+from training_examples.byte_tokenizer import VOCAB_SIZE  # noqa: E402
+from training_examples.models import MODEL_SIZES, build_model as build_preset  # noqa: E402
 
 TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex")
 # The transformers attn_implementation of each method (fm_colmask: flashmask.integrations.transformers).
@@ -70,7 +68,7 @@ _FALLBACK_WARNING = "flashmask: using the reference path"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    sizes = example_utils.MODEL_SIZES
+    sizes = MODEL_SIZES
     p = argparse.ArgumentParser(
         prog="bench_train.py",
         description="Packed SFT training step (tokens/s, peak memory) of a randomly initialised Llama-style model "
@@ -132,7 +130,7 @@ def parse_args(argv=None):
     for name in ("batch", "steps", "loss_chunk", "max_seqlen"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    min_vocab = example_utils.byte_tokenizer.VOCAB_SIZE  # the model config's pad/bos/eos ids are 256-258
+    min_vocab = VOCAB_SIZE  # the model config's pad/bos/eos ids are 256-258
     if args.vocab_size < min_vocab:
         parser.error(f"--vocab-size must be >= {min_vocab}")
     if args.warmup_steps < 0:
@@ -187,15 +185,15 @@ def data_stats(batches: List[dict]) -> dict:
 # --------------------------------------------------------------------------------------------
 
 def build_model(args, method: str, seqlen: int, device: torch.device, dtype: torch.dtype):
-    """``example_utils.build_model`` (created directly on a CUDA device), in training mode."""
+    """``training_examples.models.build_model`` (created directly on a CUDA device), in training mode."""
     if method == "flashmask":
         import flashmask.integrations.transformers as fm_hf  # registers the backend
         assert fm_hf.ATTN_IMPLEMENTATION == ATTN_IMPLEMENTATION["flashmask"]
     ctx = torch.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        model = example_utils.build_model(args.arch, args.model_size, attn_implementation=ATTN_IMPLEMENTATION[method],
-                                          max_length=seqlen, vocab_size=args.vocab_size, dtype=dtype, device=device,
-                                          seed=args.seed)
+        model = build_preset(args.arch, args.model_size, attn_implementation=ATTN_IMPLEMENTATION[method],
+                             max_length=seqlen, vocab_size=args.vocab_size, dtype=dtype, device=device,
+                             seed=args.seed)
     model.config.use_cache = False
     if args.gradient_checkpointing:
         kw = {"use_reentrant": False}
@@ -472,7 +470,7 @@ def run(args) -> list:
         common.configure_dynamo()
     meta = {"script": "bench_train", "args": dict(vars(args)), "env": common.environment(device),
             "model_size": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads"),
-                                   example_utils.MODEL_SIZES[args.model_size]))}
+                                   MODEL_SIZES[args.model_size]))}
     try:
         import transformers
         meta["env"]["transformers"] = transformers.__version__

@@ -15,6 +15,7 @@ if ROOT not in sys.path:
 from benchmarks import bench_train, common  # noqa: E402
 from flashmask.data import MASK_KEY  # noqa: E402
 from masks.format import to_dense  # noqa: E402
+from training_examples.models import build_model  # noqa: E402
 
 # A tiny model and a small vocabulary keep a CPU step at tens of milliseconds.
 TINY = ["--device", "cpu", "--flashmask-backend", "reference", "--flex-no-compile", "--model-size", "tiny",
@@ -48,9 +49,8 @@ def test_synthetic_batches_fill_rows_with_packed_documents():
 
 
 def test_chunked_loss_equals_transformers_loss():
-    import example_utils
-    model = example_utils.build_model("llama", "tiny", attn_implementation="sdpa", max_length=64, vocab_size=320,
-                                      dtype=torch.float32, device="cpu")
+    model = build_model("llama", "tiny", attn_implementation="sdpa", max_length=64, vocab_size=320,
+                        dtype=torch.float32, device="cpu")
     b = bench_train.synthetic_batches(1, 2, 64, 320, (5, 30), seed=0)[0]
     inputs = dict(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
     full = model(labels=b["labels"], **inputs).loss
@@ -197,10 +197,9 @@ def test_hf_packed_block_mask_matches_the_library_mask(tmp_path):
     """--flex-mask position_ids relies on transformers building the packed-document block mask from
     the restarting position_ids; bench_train checks it against the library mask before timing."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    import example_utils
     args = _args(tmp_path, "--flex-mask", "position_ids")
-    model = example_utils.build_model("llama", "tiny", attn_implementation="flex_attention", max_length=256,
-                                      vocab_size=512, dtype=torch.float32, device="cpu")
+    model = build_model("llama", "tiny", attn_implementation="flex_attention", max_length=256,
+                        vocab_size=512, dtype=torch.float32, device="cpu")
     b = bench_train.synthetic_batches(1, 1, 256, 512, (16, 100), seed=3)[0]
     bench_train.check_hf_packed_block_mask(model, args, b, torch.device("cpu"), torch.float32)  # no raise
     b["position_ids"] = torch.arange(256)[None]  # one document: a different mask

@@ -12,10 +12,8 @@ pytest.importorskip("datasets")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "training_examples")
-sys.path.insert(0, EXAMPLES)
 
-import dpo_packed  # noqa: E402
-import sft_packed  # noqa: E402
+from training_examples import dpo_packed, sft_packed  # noqa: E402
 
 COMMON = ["--device", "cpu", "--model-size", "tiny", "--log-every", "2"]
 
@@ -105,10 +103,10 @@ def test_progress_bar_on_request(capsys):
     assert "sft_packed" in err and "2/2" in err and "tok_s=" in err
 
 
-@pytest.mark.parametrize("script", ["sft_packed.py", "dpo_packed.py"])
-def test_help_documents_the_options(script):
-    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--help"], capture_output=True, text=True,
-                       timeout=120)
+@pytest.mark.parametrize("module", ["training_examples.sft_packed", "training_examples.dpo_packed"])
+def test_help_documents_the_options(module):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr
     for opt in ("--model-size", "--max-length", "--steps", "--device", "--dtype", "--lr", "--log-every", "--arch",
                 "--batch-size", "--data", "--model", "--output-dir", "--save-every", "--resume", "--progress",
@@ -154,8 +152,7 @@ def test_bad_arguments_exit_with_a_message(capsys):
 
 
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
-    sys.path.insert(0, os.path.join(EXAMPLES, "data"))
-    import make_data
+    from training_examples.data import make_data
 
     make_data.main(str(tmp_path))
     for name in ("sft.jsonl", "dpo.jsonl"):

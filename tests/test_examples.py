@@ -55,6 +55,16 @@ def test_sft_checkpoints_resume_and_loss_curve(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_resume_past_steps_says_there_is_nothing_to_train(tmp_path, capsys):
+    sft_packed.main(SFT_SHORT + ["--steps", "2", "--output-dir", str(tmp_path), "--progress", "off"])
+    capsys.readouterr()
+    for steps in ("2", "1"):
+        res = sft_packed.main(SFT_SHORT + ["--steps", steps, "--resume", str(tmp_path), "--progress", "off"])
+        out = capsys.readouterr().out
+        assert f"checkpoint at step 2 >= --steps {steps}: nothing to train" in out, out
+        assert res["checkpoint"] is None and len(res["losses"]) == 2  # the checkpoint's history, no new step
+
+
 def test_checkpoint_reloads_as_a_hugging_face_model(tmp_path):
     first = sft_packed.main(SFT_SHORT + ["--steps", "10", "--output-dir", str(tmp_path)])
     ckpt = first["checkpoint"]

@@ -77,6 +77,8 @@ def train(args, name: str, model, tok, optimizer, stream: PackedStream,
     say = bar.write if not bar.disable else (lambda s: print(s, flush=True) if par.main else None)
     if start:
         say(f"resumed from {args.resume} at step {start}")
+    if start >= args.steps:  # --steps counts the resumed steps too
+        say(f"checkpoint at step {start} >= --steps {args.steps}: nothing to train (raise --steps to go on)")
     t_run = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()

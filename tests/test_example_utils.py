@@ -14,7 +14,7 @@ from training_examples.checkpoints import TRAINER_STATE, find_checkpoint  # noqa
 from training_examples.models import MODEL_SIZES  # noqa: E402
 from training_examples.packing import PackedStream  # noqa: E402
 from training_examples.prompts import answer_ids, prompt_ids  # noqa: E402
-from training_examples.records import load_records  # noqa: E402
+from training_examples.records import DataError, load_records  # noqa: E402
 from training_examples.train_log import Throughput  # noqa: E402
 
 ROWS = [{"instruction": f"What is {i} + 1?", "response": f"{i + 1}.", "extra": i} for i in range(7)]
@@ -55,6 +55,30 @@ def test_load_records_without_datasets(tmp_path, monkeypatch, fmt):
         load_records(path, ["answer"])
     with pytest.raises(ImportError, match="pip install datasets"):
         load_records(str(tmp_path / "data.parquet"), ["response"])
+
+
+BROKEN = {  # file name -> (its text, what the error names)
+    "lines.jsonl": ('{"instruction": "a", "response": "b"}\n\n{"instruction": "c", "response": \n',
+                    "line 3: not valid JSON"),
+    "array.json": ('[{"instruction": "a", "response": "b"},\n {"instruction": "c" "response": "d"}]\n',
+                   "line 2: not valid JSON"),
+    "list.jsonl": ('{"instruction": "a", "response": "b"}\n["c", "d"]\n', "line 2: a JSON list, expected an object"),
+    "bytes.jsonl": ('{"instruction": "a", "response": "b"}\n{"instruction": "\udcff", "response": "d"}\n',
+                    "line 2: not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("with_datasets", [True, False])
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_malformed_json_names_the_file_and_the_line(tmp_path, monkeypatch, name, with_datasets):
+    text, what = BROKEN[name]
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    if not with_datasets:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError) as e:
+        load_records(str(path), ["instruction", "response"])
+    assert str(e.value).startswith(f"--data {path}: {what}"), str(e.value)
 
 
 def test_load_records_glob_and_missing_field(tmp_path):

@@ -161,6 +161,16 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "--mlp-chunk must be >= 0" in capsys.readouterr().err
 
 
+def test_malformed_data_file_ends_the_run_with_one_line(tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "c", "response": "d",}\n')
+    for main in (sft_packed.main, dpo_packed.main):
+        with pytest.raises(SystemExit) as e:
+            main(SFT_SHORT + ["--steps", "1", "--data", str(bad)])
+        msg = str(e.value.code)
+        assert msg.startswith(f"error: --data {bad}: line 2: not valid JSON") and "\n" not in msg, msg
+
+
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
     from training_examples.data import make_data
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import torch
 
+from training_examples.records import DataError
+
 if TYPE_CHECKING:
     from training_examples.packing import PackedStream
 
@@ -118,11 +120,14 @@ def _wait_for_every_rank(dist, key: str, timeout_s: float = 60.0) -> None:
 
 def run_parallel(args, run):
     """``run(args, par)`` on the device and dtype of ``args``, inside the process groups of
-    :func:`init_parallel` (one process: none), which are torn down after it however it ends."""
+    :func:`init_parallel` (one process: none), which are torn down after it however it ends. Data
+    that cannot be read ends the run with one line that says where, not a traceback."""
     resolve_device_dtype(args)
     par = init_parallel(args)
     try:
         return run(args, par)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
     finally:
         finish_parallel(par)
 

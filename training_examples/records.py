@@ -10,6 +10,10 @@ from typing import Dict, List, Optional, Sequence
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+class DataError(ValueError):
+    """``--data`` that cannot be used as given; the message names the file (and the line) and says why."""
+
+
 def load_records(spec: str, fields: Sequence[str], *, split: str = "train", config: Optional[str] = None,
                  max_samples: Optional[int] = None) -> List[Dict]:
     """The ``fields`` of every sample of a dataset, as a list of dicts.
@@ -27,11 +31,25 @@ def load_records(spec: str, fields: Sequence[str], *, split: str = "train", conf
         raise ImportError(f"--data {spec}: reading it needs the `datasets` package (pip install datasets); "
                           f"JSON / JSONL files are read without it") from None
 
+    try:
+        return _dataset_records(datasets, spec, files, fields, split, config, max_samples)
+    except DataError:
+        raise
+    except Exception:
+        for path in files:  # datasets' message names neither the file nor the line of bad JSON: find them
+            if os.path.splitext(path)[1].lower() in (".json", ".jsonl"):
+                _read_json_rows(path)
+        raise
+
+
+def _dataset_records(datasets, spec: str, files: Sequence[str], fields: Sequence[str], split: str,
+                     config: Optional[str], max_samples: Optional[int]) -> List[Dict]:
+    """What load_records returns, read by ``datasets``."""
     datasets.disable_progress_bars()
     if files:
         exts = {os.path.splitext(f)[1].lower() for f in files}
         if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
-            raise ValueError(f"--data {spec}: expected .json, .jsonl, .parquet or .csv files, got {sorted(exts)}")
+            raise DataError(f"--data {spec}: expected .json, .jsonl, .parquet or .csv files, got {sorted(exts)}")
         builder = _FILE_BUILDERS[exts.pop()]
         # CSV cells are typed by guessing: read the text fields as written ("42." stays a string).
         kwargs = {"converters": {f: str for f in fields}} if builder == "csv" else {}
@@ -46,8 +64,8 @@ def load_records(spec: str, fields: Sequence[str], *, split: str = "train", conf
                                f"failed (offline, or a wrong name/config/split?): {e}") from e
     missing = [f for f in fields if f not in ds.column_names]
     if missing:
-        raise ValueError(f"--data {spec}: no field {missing[0]!r}; its fields are {ds.column_names} "
-                         f"(choose them with the --*-field options)")
+        raise DataError(f"--data {spec}: no field {missing[0]!r}; its fields are {ds.column_names} "
+                        f"(choose them with the --*-field options)")
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     ds = ds.select_columns(list(fields))
@@ -59,18 +77,46 @@ def _json_records(files: Sequence[str], fields: Sequence[str], max_samples: Opti
     without it (a GPU box with no package index) still trains on the shipped data."""
     rows: List[Dict] = []
     for path in files:
-        with open(path) as f:
-            text = f.read()
-        stripped = text.lstrip()
-        if stripped.startswith("["):
-            rows.extend(json.loads(text))
-        else:
-            rows.extend(json.loads(line) for line in text.splitlines() if line.strip())
+        rows.extend(_read_json_rows(path))
     if rows:
         missing = [f for f in fields if f not in rows[0]]
         if missing:
-            raise ValueError(f"--data {files[0]}: no field {missing[0]!r}; its fields are {sorted(rows[0])} "
-                             f"(choose them with the --*-field options)")
+            raise DataError(f"--data {files[0]}: no field {missing[0]!r}; its fields are {sorted(rows[0])} "
+                            f"(choose them with the --*-field options)")
     if max_samples is not None:
         rows = rows[:max_samples]
     return [{f: r[f] for f in fields} for r in rows if all(r.get(f) is not None for f in fields)]
+
+
+def _read_json_rows(path: str) -> List[Dict]:
+    """The objects of a JSON file (an array of objects) or a JSON-lines file (an object a line); a
+    :class:`DataError` names the line where the file stops being one."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DataError(f"--data {path}: line {line}: not UTF-8 text") from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"--data {path}: line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise DataError(f"--data {path}: item {i} of the array is a JSON {type(row).__name__}, "
+                                "expected an object of fields")
+        return rows
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): a JSON string may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"--data {path}: line {n}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"--data {path}: line {n}: a JSON {type(row).__name__}, expected an object of fields")
+        rows.append(row)
+    return rows

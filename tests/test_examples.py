@@ -171,6 +171,20 @@ def test_malformed_data_file_ends_the_run_with_one_line(tmp_path):
         assert msg.startswith(f"error: --data {bad}: line 2: not valid JSON") and "\n" not in msg, msg
 
 
+def test_device_without_cuda_is_one_clear_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for main, device in ((sft_packed.main, "cuda"), (dpo_packed.main, "cuda:1")):
+        with pytest.raises(SystemExit):
+            main(["--device", device])
+        err = capsys.readouterr().err
+        assert f"--device {device}: CUDA is not available" in err and "--device cpu" in err, err
+    with pytest.raises(SystemExit):
+        sft_packed.main(["--device", "gpu"])
+    assert "--device gpu: not a device name" in capsys.readouterr().err
+
+
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
     from training_examples.data import make_data
 

@@ -108,6 +108,8 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject option values the examples cannot use (exits through ``p.error``)."""
+    if args.device is not None:
+        check_device(p, args.device)
     world = env_world_size()
     if args.cp < 1 or world % args.cp:
         p.error(f"--cp {args.cp} must divide the number of processes, {world} (start them with torchrun "
@@ -138,3 +140,19 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(str(e))
         if args.output_dir is None:  # keep writing next to the checkpoint we continue from
             args.output_dir = os.path.dirname(os.path.abspath(args.resume))
+
+
+def check_device(p: argparse.ArgumentParser, name: str) -> None:
+    """``--device NAME`` parses as a torch device, and a CUDA one exists here (exits through ``p.error``)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        p.error(f"--device {name}: not a device name (cpu, cuda, cuda:1, ...)")
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        p.error(f"--device {name}: CUDA is not available ({why}); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        p.error(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1})")

@@ -13,9 +13,10 @@ from training_examples import byte_tokenizer  # noqa: E402
 from training_examples.checkpoints import TRAINER_STATE, find_checkpoint  # noqa: E402
 from training_examples.models import MODEL_SIZES  # noqa: E402
 from training_examples.packing import PackedStream  # noqa: E402
+from training_examples.parallel import Parallel  # noqa: E402
 from training_examples.prompts import answer_ids, prompt_ids  # noqa: E402
 from training_examples.records import DataError, load_records  # noqa: E402
-from training_examples.train_log import Throughput  # noqa: E402
+from training_examples.train_log import Throughput, rate_str  # noqa: E402
 
 ROWS = [{"instruction": f"What is {i} + 1?", "response": f"{i + 1}.", "extra": i} for i in range(7)]
 
@@ -123,6 +124,14 @@ def test_packed_stream_resumes_where_it_stood():
     assert b.rows(7) == rest
     with pytest.raises(ValueError, match="no sample fits"):
         PackedStream([[0] * 11], len, 10, seed=0)
+
+
+def test_rates_are_per_gpu_or_per_process():
+    one, cpu = Parallel(), Parallel(rank=0, world=2, cp=2, device_type="cpu")
+    gpu = Parallel(rank=0, world=2, cp=2, device_type="cuda")
+    assert rate_str(3000.0, one) == "3,000 tokens/s"
+    assert rate_str(3000.0, cpu) == "1,500 tokens/s/process (3,000 in all)"
+    assert rate_str(3000.0, gpu) == "1,500 tokens/s/GPU (3,000 in all)"
 
 
 def test_throughput_is_smoothed_and_skips_warm_up():

@@ -51,9 +51,11 @@ def check_report(out, nproc, dp, cp):
     assert f"dp={dp} x cp={cp}" in out and "attn_implementation=fm_cp" in out
     done = [line for line in out.splitlines() if line.startswith("done:")]
     assert len(done) == 1, out
-    assert "tokens/s/GPU" in done[0] and "peak mem" in done[0] and f"max over {nproc} ranks" in done[0], done[0]
+    # CPU processes: throughput and memory per process, not "per GPU"
+    assert "tokens/s/process" in done[0] and "GiB/process" in done[0] and "GPU" not in done[0], done[0]
+    assert "peak mem" in done[0] and f"max over {nproc} ranks" in done[0], done[0]
     steps = [line for line in out.splitlines() if line.startswith("step ")]
-    assert steps and all("tokens/s/GPU" in s and "peak mem" in s for s in steps), out
+    assert steps and all("tokens/s/process" in s and "peak mem" in s and "GPU" not in s for s in steps), out
 
 
 @pytest.fixture(scope="module")

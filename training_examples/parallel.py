@@ -50,6 +50,7 @@ class Parallel:
     mode: str = "allgather_kv"
     mesh: object = None
     group: object = None
+    device_type: str = "cpu"  # of every rank: "cuda" (one GPU each) or "cpu"
 
     @property
     def dp(self) -> int:
@@ -66,6 +67,11 @@ class Parallel:
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+    @property
+    def per_rank(self) -> str:
+        """What one rank is, for per-rank numbers: ``"GPU"``, or ``"process"`` on the CPU."""
+        return "GPU" if self.device_type == "cuda" else "process"
 
     def describe(self) -> str:
         if not self.distributed:
@@ -90,7 +96,7 @@ def init_parallel(args) -> Parallel:
             dist.init_process_group("gloo")
     mesh = fm_fsdp.init_mesh(world // args.cp, args.cp, device_type=args.device.type)
     mode = args.cp_mode if args.cp > 1 else "ulysses"  # a group of one: plain attention, no padding
-    return Parallel(dist.get_rank(), world, args.cp, mode, mesh, fm_fsdp.cp_group(mesh))
+    return Parallel(dist.get_rank(), world, args.cp, mode, mesh, fm_fsdp.cp_group(mesh), args.device.type)
 
 
 def finish_parallel(par: Parallel) -> None:

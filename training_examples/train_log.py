@@ -108,8 +108,7 @@ def peak_memory(device: torch.device, par: Parallel) -> str:
     if not par.distributed:
         return f"{gib:.2f} GiB ({what})"
     t = all_reduce(torch.tensor([gib], dtype=torch.float64, device=device), par, op="max")
-    per = "GPU" if device.type == "cuda" else "process"
-    return f"{float(t):.2f} GiB/{per} ({what}, max over {par.world} ranks)"
+    return f"{float(t):.2f} GiB/{par.per_rank} ({what}, max over {par.world} ranks)"
 
 
 def packs_str(args, par: Parallel) -> str:
@@ -118,6 +117,7 @@ def packs_str(args, par: Parallel) -> str:
 
 
 def rate_str(tokens_per_s: float, par: Parallel) -> str:
+    """Tokens/s; with several processes per rank (``tokens/s/GPU``, on the CPU ``tokens/s/process``) and in all."""
     if not par.distributed:
         return f"{tokens_per_s:,.0f} tokens/s"
-    return f"{tokens_per_s / par.world:,.0f} tokens/s/GPU ({tokens_per_s:,.0f} in all)"
+    return f"{tokens_per_s / par.world:,.0f} tokens/s/{par.per_rank} ({tokens_per_s:,.0f} in all)"

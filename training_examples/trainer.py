@@ -63,8 +63,8 @@ def train(args, name: str, model, tok, optimizer, stream: PackedStream,
     the step, and shows a progress bar, a log line every ``--log-every`` steps (``describe(extras)``
     adds to it), checkpoints and the loss curve; with several processes rank 0 prints and writes.
 
-    Returns ``{"losses": [...], "first_loss", "last_loss", "tokens_per_s" (all GPUs together),
-    "tokens_per_s_per_gpu", "peak_memory", "checkpoint", "loss_csv", "loss_png", "history"}``; with
+    Returns ``{"losses": [...], "first_loss", "last_loss", "tokens_per_s" (all ranks together),
+    "tokens_per_s_per_gpu" (per rank), "peak_memory", "checkpoint", "loss_csv", "loss_png", "history"}``; with
     ``--resume`` the losses and history include the earlier steps.
     """
     from tqdm.auto import tqdm
@@ -93,7 +93,7 @@ def train(args, name: str, model, tok, optimizer, stream: PackedStream,
         rate = meter.rate()
         log.add({"step": step, "loss": loss, **extras, "tokens_per_s": rate,
                  "tokens_per_s_per_gpu": rate / par.world, "elapsed_s": time.perf_counter() - t_run})
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate / par.world:,.0f}", refresh=False)  # per GPU
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate / par.world:,.0f}", refresh=False)  # per rank
         bar.update(1)
         if step % args.log_every == 0 or step == args.steps:
             more = describe(extras)
@@ -121,7 +121,8 @@ def train(args, name: str, model, tok, optimizer, stream: PackedStream,
 
 
 def report(res: Dict, par: Parallel) -> None:
-    """The closing line (rank 0): first and last loss, tokens/s (per GPU), peak memory (per GPU)."""
+    """The closing line (rank 0): first and last loss, tokens/s and peak memory (per GPU, or per process on
+    the CPU)."""
     if par.main:
         rate = "" if res["tokens_per_s"] is None else f"{rate_str(res['tokens_per_s'], par)}, "
         first = "-" if res["first_loss"] is None else f"{res['first_loss']:.4f}"

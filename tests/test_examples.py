@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -87,8 +88,15 @@ def test_dpo_packed_loss_falls(arch, capsys):
     losses = res["losses"]
     assert len(losses) == 12
     assert abs(losses[0] - 0.6931) < 1e-3  # policy == reference at the first step: log(2)
+    assert res["accuracy"][0] == 0.5  # ... and every margin a tie, counted as half
     assert sum(losses[-4:]) / 4 < 0.45, losses
     assert "tokens/s" in out and "peak mem" in out and "acc" in out
+
+
+def test_preference_accuracy_counts_ties_as_half():
+    assert float(dpo_packed.preference_accuracy(torch.tensor([0.3, 0.0, -0.2, 0.0]))) == 0.5
+    assert float(dpo_packed.preference_accuracy(torch.zeros(3))) == 0.5
+    assert float(dpo_packed.preference_accuracy(torch.tensor([1e-6, -1e-6]))) == 0.5
 
 
 def test_dpo_packed_with_sft_warmup_runs():

@@ -21,7 +21,8 @@ Hugging Face causal LM with its tokenizer) or a randomly initialised Llama / Qwe
 ``--sft-steps`` first trains it briefly on the chosen answers so that a random reference is not
 uniform noise.
 
-A progress bar and a log line show the loss, the preference accuracy and margin, tokens/s through
+A progress bar and a log line show the loss, the preference accuracy (the share of pairs whose
+margin is positive, a tie counting as half) and margin, tokens/s through
 the policy (smoothed over the last 20 steps) and peak memory; ``--output-dir`` gets
 ``save_pretrained`` checkpoints, ``loss.csv`` and ``loss.png``.
 
@@ -198,6 +199,13 @@ def dpo_step(policy, reference, batch: Dict[str, torch.Tensor], args, par: Paral
     return loss.detach(), margin.detach()
 
 
+def preference_accuracy(margin: torch.Tensor) -> torch.Tensor:
+    """The share of pairs whose chosen answer gained on the rejected one against the reference
+    (``margin > 0``); a tie counts as half, so that the first step, where the policy is still the
+    reference and every margin is 0, reads 0.5 rather than 0."""
+    return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
+
+
 def warm_up(args, policy, tok, stream: PackedStream, padding: str, par: Parallel) -> None:
     """A short SFT on prompt + chosen (its own optimizer, thrown away afterwards)."""
     from flashmask.data import PackedSFTCollator
@@ -277,7 +285,7 @@ def run(args, par: Parallel) -> Dict:
     def step(_):
         rows_all, rows = next_rows(stream, args, par)
         loss, margin = dpo_step(policy, reference, collate.collate_rows(rows), args, par)
-        loss, acc, mean_margin = dp_mean([loss, (margin > 0).float().mean(), margin.mean()], par, args.device)
+        loss, acc, mean_margin = dp_mean([loss, preference_accuracy(margin), margin.mean()], par, args.device)
         extras = {"accuracy": acc, "margin": mean_margin, "pairs": sum(len(r) for r in rows_all)}
         return torch.tensor(loss), sum(triple_len(t) for r in rows_all for t in r), extras
 

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "training_examples")
 
 from training_examples import dpo_packed, sft_packed  # noqa: E402
+from training_examples.dpo_loss import preference_accuracy  # noqa: E402
 
 COMMON = ["--device", "cpu", "--model-size", "tiny", "--log-every", "2"]
 
@@ -94,9 +95,9 @@ def test_dpo_packed_loss_falls(arch, capsys):
 
 
 def test_preference_accuracy_counts_ties_as_half():
-    assert float(dpo_packed.preference_accuracy(torch.tensor([0.3, 0.0, -0.2, 0.0]))) == 0.5
-    assert float(dpo_packed.preference_accuracy(torch.zeros(3))) == 0.5
-    assert float(dpo_packed.preference_accuracy(torch.tensor([1e-6, -1e-6]))) == 0.5
+    assert float(preference_accuracy(torch.tensor([0.3, 0.0, -0.2, 0.0]))) == 0.5
+    assert float(preference_accuracy(torch.zeros(3))) == 0.5
+    assert float(preference_accuracy(torch.tensor([1e-6, -1e-6]))) == 0.5
 
 
 def test_dpo_packed_with_sft_warmup_runs():

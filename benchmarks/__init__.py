@@ -1,2 +1,2 @@
-"""Benchmarks of the flashmask kernels (see benchmarks/README.md). Run the scripts directly:
-``python benchmarks/bench_kernels.py --help``."""
+"""Benchmarks of the flashmask kernels (see benchmarks/README.md). Run the scripts as modules from the
+checkout root: ``python -m benchmarks.bench_kernels --help``."""

@@ -18,13 +18,13 @@ peak memory per GPU; ``--find-max`` doubles the row length until a step fails.
 
 Run (2 GPUs)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_cp.py attn                       # ~4 min
-    python benchmarks/bench_cp.py train --cp 1 --seqlens 256k,512k                # one GPU
-    torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 512k,1m
-    torchrun --nproc-per-node 2 benchmarks/bench_cp.py train --cp 2 --seqlens 2m --offload
-    python benchmarks/bench_cp.py train --cp 1 --seqlens 1m --offload               # MLP in 64K chunks
-    python benchmarks/bench_cp.py attn --device cpu --tiny --nproc 2              # CPU dry run (gloo)
-    python benchmarks/bench_cp.py train --device cpu --tiny --nproc 2             # CPU dry run
+    torchrun --nproc-per-node 2 -m benchmarks.bench_cp attn                       # ~4 min
+    python -m benchmarks.bench_cp train --cp 1 --seqlens 256k,512k                # one GPU
+    torchrun --nproc-per-node 2 -m benchmarks.bench_cp train --cp 2 --seqlens 512k,1m
+    torchrun --nproc-per-node 2 -m benchmarks.bench_cp train --cp 2 --seqlens 2m --offload
+    python -m benchmarks.bench_cp train --cp 1 --seqlens 1m --offload               # MLP in 64K chunks
+    python -m benchmarks.bench_cp attn --device cpu --tiny --nproc 2              # CPU dry run (gloo)
+    python -m benchmarks.bench_cp train --device cpu --tiny --nproc 2             # CPU dry run
 
 Results: ``benchmarks/results/cp/{attn,train}.csv`` (or ``--out``), one row appended after every
 point, so that invocations with other ``--families`` / ``--seqlens`` / ``--cp`` add to one table (a
@@ -43,13 +43,15 @@ import tempfile
 import time
 import traceback
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-from benchmarks import common  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from benchmarks.cli import DTYPES, parse_choice_list, parse_int_list
+from benchmarks.cuda_memory import cleanup
+from benchmarks.errors import format_error, is_fatal_cuda_error, is_oom, status_of
+from benchmarks.flops import attn_flops
+from benchmarks.output import csv_value, default_out_dir, environment
+from benchmarks.report import fmt_len
 
 ATTN_FIELDS = ("family", "seqlen", "heads", "kv_heads", "head_dim", "mode", "cp", "cp_mode", "status", "ms",
                "tflops_per_gpu", "tflops_total", "speedup", "efficiency", "imbalance", "plan_ms", "pairs",
@@ -203,7 +205,7 @@ class Results:
             w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
             if new:
                 w.writeheader()
-            w.writerow({k: common._csv_value(row.get(k)) for k in self.fields})
+            w.writerow({k: csv_value(row.get(k)) for k in self.fields})
         self.run["rows"].append(row)
         tmp = self.json_path + ".tmp"
         with open(tmp, "w") as f:
@@ -222,12 +224,12 @@ def bench_attn(args):
     from masks.examples import example
 
     rank, world, device = setup(args)
-    dtype = common.DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     heads, kv_heads, d = args.heads, args.kv_heads, args.head_dim
     backend = args.flashmask_backend
-    out_dir = args.out or common.default_out_dir("cp")
+    out_dir = args.out or default_out_dir("cp")
     rows, meta = [], {"script": "bench_cp attn", "args": {k: v for k, v in vars(args).items() if k != "func"},
-                      "env": common.environment(device), "world": world}
+                      "env": environment(device), "world": world}
     results = Results(out_dir, "attn", ATTN_FIELDS, meta) if rank == 0 else None
     if rank == 0:
         print(f"attention alone: {world} ranks, {device}, B=1 Hq={heads} Hk={kv_heads} D={d} {args.dtype}, "
@@ -255,12 +257,12 @@ def bench_attn(args):
         if rank == 0:
             results.add(row)
             if row["status"] == "ok":
-                print(f"  {row['family']:16s} {common.fmt_len(row['seqlen']):>5s} {row['mode']:6s} cp={row['cp']} "
+                print(f"  {row['family']:16s} {fmt_len(row['seqlen']):>5s} {row['mode']:6s} cp={row['cp']} "
                       f"{row['cp_mode']:12s} {row['ms']:10.1f} ms {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU"
                       + (f"  speedup {row['speedup']:.2f} eff {row['efficiency']:.2f} imbalance "
                          f"{row['imbalance']:.3f}" if row['cp'] > 1 else ""), flush=True)
             else:
-                print(f"  {row['family']:16s} {common.fmt_len(row['seqlen']):>5s} {row['mode']:6s} cp={row['cp']} "
+                print(f"  {row['family']:16s} {fmt_len(row['seqlen']):>5s} {row['mode']:6s} cp={row['cp']} "
                       f"{row['cp_mode']:12s} {row['status']}: {row['notes']}", flush=True)
 
     first = True
@@ -313,7 +315,7 @@ def bench_attn(args):
                                 for t in leaves:
                                     t.grad = None
                         ms = timed(step, n_warm, n_rep)
-                        flops = common.attn_flops(pairs, d, mode)
+                        flops = attn_flops(pairs, d, mode)
                         row = {"family": fam, "seqlen": s, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
                                "mode": mode, "cp": cp, "cp_mode": cp_mode, "status": "ok", "ms": ms,
                                "tflops_total": flops / ms / 1e9, "tflops_per_gpu": flops / ms / 1e9 / cp,
@@ -326,18 +328,18 @@ def bench_attn(args):
                             row["efficiency"] = row["speedup"] / cp
                         add(row)
                 except Exception as e:  # noqa: BLE001 - a failed point becomes a row
-                    if args.device == "cpu" and not common.is_oom(e):
+                    if args.device == "cpu" and not is_oom(e):
                         raise
                     add({"family": fam, "seqlen": s, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
-                         "mode": ",".join(args.modes), "cp": cp, "cp_mode": cp_mode, "status": common.status_of(e),
-                         "notes": common.format_error(e)})
-                    if common.is_fatal_cuda_error(e):
+                         "mode": ",".join(args.modes), "cp": cp, "cp_mode": cp_mode, "status": status_of(e),
+                         "notes": format_error(e)})
+                    if is_fatal_cuda_error(e):
                         raise
                 finally:
                     plan = ql = kl = vl = dl = None
-                    common.cleanup()
+                    cleanup()
             q = k = v = dout = mask = None
-            common.cleanup()
+            cleanup()
     if rank == 0:
         print(f"-> {os.path.join(out_dir, 'attn.csv')}")
     return rows
@@ -391,14 +393,14 @@ def bench_train(args):
     from flashmask.losses import causal_lm_loss
 
     rank, world, device = setup(args)
-    dtype = common.DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     cp = args.cp
     if world % cp:
         raise SystemExit(f"--cp {cp} must divide the number of processes {world}")
     dp = world // cp
-    out_dir = args.out or common.default_out_dir("cp")
+    out_dir = args.out or default_out_dir("cp")
     rows, meta = [], {"script": "bench_cp train", "args": {k: v for k, v in vars(args).items() if k != "func"},
-                      "env": common.environment(device), "world": world}
+                      "env": environment(device), "world": world}
     mesh = fm_fsdp.init_mesh(dp, cp, device_type=device.type) if world > 1 else None
     group = fm_fsdp.cp_group(mesh) if mesh is not None else None
     vocab = MODELS[args.model_size][5]
@@ -413,12 +415,12 @@ def bench_train(args):
         if rank == 0:
             results.add(row)
             if row["status"] == "ok":
-                print(f"  S={common.fmt_len(row['seqlen']):>5s} cp={cp}: {row['tokens_per_s_per_gpu']:9.0f} tok/s/GPU "
+                print(f"  S={fmt_len(row['seqlen']):>5s} cp={cp}: {row['tokens_per_s_per_gpu']:9.0f} tok/s/GPU "
                       f"({row['tokens_per_s']:.0f} tok/s), {row['ms_per_step']:.0f} ms/step, peak "
                       f"{row['peak_mem_gib']:.2f} GiB/GPU, loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}",
                       flush=True)
             else:
-                print(f"  S={common.fmt_len(row['seqlen']):>5s} cp={cp}: {row['status']} {row['notes']}", flush=True)
+                print(f"  S={fmt_len(row['seqlen']):>5s} cp={cp}: {row['status']} {row['notes']}", flush=True)
 
     def run(s):
         model = build_model(args, device, dtype)
@@ -479,11 +481,11 @@ def bench_train(args):
         except Exception as e:  # noqa: BLE001
             if args.device == "cpu":
                 raise
-            row.update(status=common.status_of(e), notes=common.format_error(e))
-            if rank == 0 and not common.is_oom(e):
+            row.update(status=status_of(e), notes=format_error(e))
+            if rank == 0 and not is_oom(e):
                 traceback.print_exc()
         add(row)
-        common.cleanup()
+        cleanup()
         if row["status"] != "ok":
             break
         if args.find_max and i == len(seqlens) - 1 and s * 2 <= args.max_seqlen:
@@ -491,7 +493,7 @@ def bench_train(args):
         i += 1
     if rank == 0:
         ok = [r["seqlen"] for r in rows if r["status"] == "ok"]
-        print(f"longest row trained: {common.fmt_len(max(ok)) if ok else 'none'} -> {os.path.join(out_dir, 'train.csv')}")
+        print(f"longest row trained: {fmt_len(max(ok)) if ok else 'none'} -> {os.path.join(out_dir, 'train.csv')}")
     return rows
 
 
@@ -508,7 +510,7 @@ def build_parser():
         s.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
         s.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU dry run")
         s.add_argument("--nproc", type=int, default=2, help="processes to spawn when not under torchrun")
-        s.add_argument("--dtype", default="bf16", choices=list(common.DTYPES))
+        s.add_argument("--dtype", default="bf16", choices=list(DTYPES))
         s.add_argument("--align", type=int, default=128, help="chunk granularity of all-gather-KV")
         s.add_argument("--timeout", type=int, default=300, help="seconds before a stuck collective aborts")
         s.add_argument("--out", default=None, help="results folder (default benchmarks/results/cp)")
@@ -551,16 +553,16 @@ def build_parser():
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    args.seqlens = common.parse_int_list(args.seqlens)
+    args.seqlens = parse_int_list(args.seqlens)
     if args.cmd == "attn":
-        args.families = common.parse_choice_list(args.families, __import__("masks").FAMILIES, "families")
-        args.modes = common.parse_choice_list(args.modes, ("fwd", "fwdbwd"), "modes")
-        args.cp_modes = common.parse_choice_list(args.cp_modes, ("allgather_kv", "ulysses"), "cp modes")
+        args.families = parse_choice_list(args.families, __import__("masks").FAMILIES, "families")
+        args.modes = parse_choice_list(args.modes, ("fwd", "fwdbwd"), "modes")
+        args.cp_modes = parse_choice_list(args.cp_modes, ("allgather_kv", "ulysses"), "cp modes")
         if args.tiny:
             args.seqlens, args.heads, args.kv_heads, args.head_dim, args.align = [256], 4, 2, 16, 8
             args.reps, args.flashmask_backend = 1, "reference" if args.device == "cpu" else args.flashmask_backend
     else:
-        args.doc_len = common.parse_int_list(args.doc_len)
+        args.doc_len = parse_int_list(args.doc_len)
         if args.tiny:
             args.model_size, args.seqlens, args.align, args.steps, args.doc_len = "tiny", [128], 8, 2, [8, 40]
             args.loss_chunk = 32
@@ -581,7 +583,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     # every process, before any work: an existing results file this run cannot append to stops it
-    check_results(args.out or common.default_out_dir("cp"), args.cmd,
+    check_results(args.out or default_out_dir("cp"), args.cmd,
                   ATTN_FIELDS if args.cmd == "attn" else TRAIN_FIELDS)
     launch(args)
     return 0

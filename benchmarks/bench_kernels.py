@@ -12,11 +12,11 @@ cost of deterministic mode can be read off the table (``det ms``, ``det cost``).
 
 Example::
 
-    python benchmarks/bench_kernels.py                      # 12 families x 8K, 32K x fwd, fwd+bwd
-    python benchmarks/bench_kernels.py --families causal,document --seqlens 8k,32k,128k --plot
-    python benchmarks/bench_kernels.py --modes fwd,bwd,fwdbwd --methods flashmask,flex --quick
-    python benchmarks/bench_kernels.py --methods flashmask,flashmask_det --modes bwd,fwdbwd
-    python benchmarks/bench_kernels.py --heads 16 --kv-heads 4 --modes bwd   # GQA, 4 query heads a group
+    python -m benchmarks.bench_kernels                      # 12 families x 8K, 32K x fwd, fwd+bwd
+    python -m benchmarks.bench_kernels --families causal,document --seqlens 8k,32k,128k --plot
+    python -m benchmarks.bench_kernels --modes fwd,bwd,fwdbwd --methods flashmask,flex --quick
+    python -m benchmarks.bench_kernels --methods flashmask,flashmask_det --modes bwd,fwdbwd
+    python -m benchmarks.bench_kernels --heads 16 --kv-heads 4 --modes bwd   # GQA, 4 query heads a group
 """
 from __future__ import annotations
 
@@ -26,16 +26,22 @@ import sys
 import time
 from collections import OrderedDict
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import ALL_METHODS, METHODS, MODES  # noqa: E402
-
-import torch  # noqa: E402
+from benchmarks.cli import DTYPES, add_testing_args, add_timing_args, parse_choice_list, parse_int_list, resolve_timing
+from benchmarks.cuda_memory import cleanup
+from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
+from benchmarks.flex import configure_dynamo
+from benchmarks.flops import total_pairs
+from benchmarks.methods import ALL_METHODS, METHODS, Options, Problem, method_modes, release, try_prepare
+from benchmarks.output import default_out_dir, environment, pyplot, write_results
+from benchmarks.report import fmt_len, format_table, table_cell
+from benchmarks.timing import MODES, make_inputs, try_time
 
 DEFAULT_METHODS = ",".join(METHODS)
 MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
+FIELDS = ("family", "seqlen", "head_dim", "heads", "kv_heads", "batch", "mode", "method", "status", "density",
+          "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="folder for kernels.csv / kernels.json (and plots/); default benchmarks/results/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
-    common.add_timing_args(p)
+    add_timing_args(p)
     p.add_argument("--force", action="store_true",
                    help="time flashmask backward even without a backward kernel (slow reference path)")
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
@@ -70,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-mem-fraction", type=float, default=0.5,
                    help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
     p.add_argument("--seed", type=int, default=0)
-    common.add_testing_args(p)
+    add_testing_args(p)
     return p
 
 
@@ -79,24 +85,24 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.families = common.parse_choice_list(args.families, list(masks.FAMILIES), "families")
-        args.seqlens = common.parse_int_list(args.seqlens)
-        args.head_dims = common.parse_int_list(args.head_dims)
-        args.modes = common.parse_choice_list(args.modes, MODES, "modes")
-        args.methods = common.parse_choice_list(args.methods, ALL_METHODS, "methods")
+        args.families = parse_choice_list(args.families, list(masks.FAMILIES), "families")
+        args.seqlens = parse_int_list(args.seqlens)
+        args.head_dims = parse_int_list(args.head_dims)
+        args.modes = parse_choice_list(args.modes, MODES, "modes")
+        args.methods = parse_choice_list(args.methods, ALL_METHODS, "methods")
     except ValueError as e:
         parser.error(str(e))
     if args.kv_heads is None:
         args.kv_heads = args.heads
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
-    common.resolve_timing(args)
+    resolve_timing(args)
     if args.out is None:
-        args.out = common.default_out_dir("kernels")
+        args.out = default_out_dir("kernels")
     return args
 
 
-_cell = common.table_cell
+_cell = table_cell
 
 
 def _tf(x: float) -> str:
@@ -116,7 +122,7 @@ def summary_table(rows) -> str:
         fa, cu = by.get("sdpa_flash"), by.get("sdpa_cudnn")
         density = next((r["density"] for r in by.values() if r.get("density") is not None), None)
         fa_cu = "-" if fa is None and cu is None else f"{_cell(fa, 'tflops', _tf)}/{_cell(cu, 'tflops', _tf)}"
-        line = [fam, common.fmt_len(s), d, MODE_LABEL[mode], "-" if density is None else f"{density:.3f}",
+        line = [fam, fmt_len(s), d, MODE_LABEL[mode], "-" if density is None else f"{density:.3f}",
                 _cell(fm), _cell(fm, "tflops", _tf), _cell(fx), _cell(fx, "tflops", _tf),
                 _cell(dn, "tflops", _tf), fa_cu, _ratio(fx, fm)]
         if with_det:
@@ -127,7 +133,7 @@ def summary_table(rows) -> str:
                "fa2/cudnn TF/s", "vs flex"]
     if with_det:
         headers += ["det ms", "det cost"]
-    return common.format_table(headers, table, align="lrrl" + "r" * (len(headers) - 4))
+    return format_table(headers, table, align="lrrl" + "r" * (len(headers) - 4))
 
 
 def _ratio(num, den) -> str:
@@ -139,7 +145,7 @@ def _ratio(num, den) -> str:
 
 def plot_families(rows, out_dir: str):
     """``out_dir/<family>.png``: TFLOP/s per method, grouped by seqlen (one panel per mode, stacked)."""
-    plt = common.pyplot()
+    plt = pyplot()
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     families = list(OrderedDict.fromkeys(r["family"] for r in rows))
@@ -167,7 +173,7 @@ def plot_families(rows, out_dir: str):
             labels = []
             for s, d in configs:
                 dens = next((r["density"] for r in fr if r["seqlen"] == s and r.get("density") is not None), None)
-                lab = f"S={common.fmt_len(s)}" + (f" D={d}" if multi_d else "")
+                lab = f"S={fmt_len(s)}" + (f" D={d}" if multi_d else "")
                 labels.append(lab + ("" if dens is None else f"\ndensity {dens:.3f}"))
             ax.set_xticks(range(len(configs)))
             ax.set_xticklabels(labels)
@@ -192,7 +198,7 @@ def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=
 
 
 def _progress(i, total, r):
-    what = (f"{r['family']} S={common.fmt_len(r['seqlen'])} D={r['head_dim']} {MODE_LABEL[r['mode']]:7s} "
+    what = (f"{r['family']} S={fmt_len(r['seqlen'])} D={r['head_dim']} {MODE_LABEL[r['mode']]:7s} "
             f"{r['method']:13s}")
     if r["status"] == "ok":
         res = f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  first call {r['first_call_s']:.2f} s"
@@ -208,13 +214,13 @@ def run(args) -> list:
     import flashmask
 
     device = torch.device(args.device)
-    dtype = common.DTYPES[args.dtype]
-    common.configure_dynamo(retain_graph="bwd" in args.modes)
-    opts = common.Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
+    dtype = DTYPES[args.dtype]
+    configure_dynamo(retain_graph="bwd" in args.modes)
+    opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
                           flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction,
                           force_backward=args.force)
     meta = {"script": "bench_kernels", "args": {k: v for k, v in vars(args).items()},
-            "env": common.environment(device), "flop_convention": "fwd=4*B*H*D*pairs, bwd=2.5x, fwd+bwd=3.5x"}
+            "env": environment(device), "flop_convention": "fwd=4*B*H*D*pairs, bwd=2.5x, fwd+bwd=3.5x"}
     env = meta["env"]
     print(f"device {env.get('gpu', device)} | torch {env['torch']} | triton {env['triton']} | flashmask kernels "
           f"{env.get('flashmask_kernels')} (backward kernel: {env.get('flashmask_backward_kernel')})", flush=True)
@@ -226,7 +232,7 @@ def run(args) -> list:
 
     rows: list = []
     configs = [(f, s, d) for f in args.families for s in args.seqlens for d in args.head_dims]
-    total = len(configs) * sum(len(common.method_modes(m, args.modes)) for m in args.methods)
+    total = len(configs) * sum(len(method_modes(m, args.modes)) for m in args.methods)
     done = 0
     fatal = None
     t_start = time.perf_counter()
@@ -243,38 +249,38 @@ def run(args) -> list:
         tensors = startend = None
         try:
             startend, causal = example(fam, s, batch_size=args.batch, device=device)
-            pairs = common.total_pairs(startend, causal, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
+            pairs = total_pairs(startend, causal, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
             density = pairs / (args.batch * args.heads * s * s)
-            tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci,
+            tensors = make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci,
                                          kv_heads=args.kv_heads)
             setup_error = None
         except Exception as e:
-            setup_error = {"status": common.status_of(e), "notes": f"setup: {common.format_error(e)}",
-                           "fatal": common.is_fatal_cuda_error(e)}
+            setup_error = {"status": status_of(e), "notes": f"setup: {format_error(e)}",
+                           "fatal": is_fatal_cuda_error(e)}
         if setup_error is not None:
             startend = tensors = None
-            common.cleanup()
+            cleanup()
             for method in args.methods:
-                for mode in common.method_modes(method, args.modes):
+                for mode in method_modes(method, args.modes):
                     add(_row(fam, s, d, args, mode, method, None, None, setup_error["status"],
                              notes=setup_error["notes"]))
             fatal = setup_error["notes"] if setup_error["fatal"] else None
             continue
-        print(f"== {fam} S={common.fmt_len(s)} D={d}: causal={causal} C={startend.shape[-1]} density {density:.4f}",
+        print(f"== {fam} S={fmt_len(s)} D={d}: causal={causal} C={startend.shape[-1]} density {density:.4f}",
               flush=True)
-        problem = common.Problem(startend, causal, args.batch, args.heads, d, s, dtype, device, args.kv_heads)
+        problem = Problem(startend, causal, args.batch, args.heads, d, s, dtype, device, args.kv_heads)
         for method in args.methods:
             if fatal:
                 break
-            modes = common.method_modes(method, args.modes)  # flashmask_det: no fwd rows
+            modes = method_modes(method, args.modes)  # flashmask_det: no fwd rows
             if not modes:
                 continue
-            prep, failed = common.try_prepare(method, problem, opts)
+            prep, failed = try_prepare(method, problem, opts)
             if failed is not None:
                 if failed["status"] == "skip":  # e.g. flash/cuDNN SDPA with a mask they cannot take
                     total -= len(modes)
                     continue
-                common.cleanup()
+                cleanup()
                 for mode in modes:
                     add(_row(fam, s, d, args, mode, method, density, pairs, failed["status"], notes=failed["notes"]))
                 fatal = failed["notes"] if failed["fatal"] else None
@@ -282,25 +288,25 @@ def run(args) -> list:
             for mode in modes:
                 if fatal:
                     break
-                res = common.try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
+                res = try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
                 add(_row(fam, s, d, args, mode, method, density, pairs, res["status"], ms=res.get("ms"),
                          tflops=res.get("tflops"), build_ms=prep.build_ms, first=res.get("first_call_s"),
                          host=res.get("host_ms"),
                          notes=res["notes"]))
                 fatal = res["notes"] if res["fatal"] else None
                 if res["status"] != "ok":
-                    common.cleanup()
-            common.release(prep)
+                    cleanup()
+            release(prep)
             prep = None
-            common.cleanup(collect=False)
+            cleanup(collect=False)
         problem = tensors = startend = None
-        common.cleanup()
-        common.write_results(args.out, "kernels", rows, common.ROW_FIELDS, meta)  # partial results survive a crash
+        cleanup()
+        write_results(args.out, "kernels", rows, FIELDS, meta)  # partial results survive a crash
     if fatal:
         print(f"\nstopped early: the CUDA context is unusable after: {fatal}", flush=True)
         meta["stopped_early"] = fatal
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    csv_path, json_path = common.write_results(args.out, "kernels", rows, common.ROW_FIELDS, meta)
+    csv_path, json_path = write_results(args.out, "kernels", rows, FIELDS, meta)
     print()
     print(summary_table(rows))
     print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
@@ -309,7 +315,7 @@ def run(args) -> list:
             paths = plot_families(rows, os.path.join(args.out, "plots"))
             print(f"plots: {os.path.join(args.out, 'plots')} ({len(paths)} PNG)")
         except Exception as e:
-            print(f"plotting failed: {common.format_error(e)}")
+            print(f"plotting failed: {format_error(e)}")
     return rows
 
 

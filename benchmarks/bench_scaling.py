@@ -6,8 +6,8 @@ diagonal tiles are then a larger share: ``tile density`` and ``ms / tile density
 
 Example::
 
-    python benchmarks/bench_scaling.py                       # S = 32K, flashmask fwd (+ fwd+bwd with a bwd kernel)
-    python benchmarks/bench_scaling.py --methods flashmask,flex --plot
+    python -m benchmarks.bench_scaling                       # S = 32K, flashmask fwd (+ fwd+bwd with a bwd kernel)
+    python -m benchmarks.bench_scaling --methods flashmask,flex --plot
 """
 from __future__ import annotations
 
@@ -16,13 +16,18 @@ import os
 import sys
 import time
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import MODES  # noqa: E402
-
-import torch  # noqa: E402
+from benchmarks.cli import DTYPES, add_testing_args, add_timing_args, parse_choice_list, parse_int_list, resolve_timing
+from benchmarks.cuda_memory import cleanup
+from benchmarks.errors import format_error
+from benchmarks.flex import configure_dynamo
+from benchmarks.flops import total_pairs
+from benchmarks.methods import Options, Problem, release, try_prepare
+from benchmarks.output import default_out_dir, environment, pyplot, write_results
+from benchmarks.report import fmt_len, format_table
+from benchmarks.tiles import fwd_tile, tile_stats
+from benchmarks.timing import MODES, make_inputs, try_time
 
 FIELDS = ("docs", "seqlen", "head_dim", "heads", "batch", "mode", "method", "status", "density", "tile_density",
           "pairs", "ms", "tflops", "ms_per_density", "ms_per_tile_density", "first_call_s", "notes")
@@ -47,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward tile BMxBN for the tile density (default: the kernel's for the head dim, e.g. 128x64)")
     p.add_argument("--out", default=None, help="folder for scaling.csv / scaling.json; default benchmarks/results/scaling")
     p.add_argument("--plot", action="store_true", help="write OUT/scaling.png (ms and ms/density vs documents)")
-    common.add_timing_args(p)
+    add_timing_args(p)
     p.add_argument("--force", action="store_true", help="time flashmask backward even without a backward kernel")
     p.add_argument("--seed", type=int, default=0)
-    common.add_testing_args(p)
+    add_testing_args(p)
     return p
 
 
@@ -58,10 +63,10 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        (args.seqlen,) = common.parse_int_list(args.seqlen)[:1]
-        args.docs = common.parse_int_list(args.docs)
-        args.methods = common.parse_choice_list(args.methods, ("flashmask", "flex"), "methods")
-        args.modes = None if args.modes == "auto" else common.parse_choice_list(args.modes, MODES, "modes")
+        (args.seqlen,) = parse_int_list(args.seqlen)[:1]
+        args.docs = parse_int_list(args.docs)
+        args.methods = parse_choice_list(args.methods, ("flashmask", "flex"), "methods")
+        args.modes = None if args.modes == "auto" else parse_choice_list(args.modes, MODES, "modes")
         if args.tile is not None:
             bm, bn = (int(x) for x in args.tile.lower().split("x"))
             args.tile = (bm, bn)
@@ -69,9 +74,9 @@ def parse_args(argv=None):
             raise ValueError(f"more documents than tokens: {args.docs} for S={args.seqlen}")
     except ValueError as e:
         parser.error(str(e))
-    common.resolve_timing(args)
+    resolve_timing(args)
     if args.out is None:
-        args.out = common.default_out_dir("scaling")
+        args.out = default_out_dir("scaling")
     return args
 
 
@@ -82,7 +87,7 @@ def equal_docs(seqlen: int, n: int) -> list:
 
 
 def plot(rows, path: str) -> None:
-    plt = common.pyplot()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     series = sorted({(r["method"], r["mode"]) for r in rows if r["status"] == "ok"})
     for method, mode in series:
@@ -109,7 +114,7 @@ def run(args) -> list:
     import masks
 
     device = torch.device(args.device)
-    dtype = common.DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     s, d = args.seqlen, args.head_dim
     modes = args.modes
     if modes is None:
@@ -117,31 +122,31 @@ def run(args) -> list:
         modes = ["fwd", "fwdbwd"] if has_bwd else ["fwd"]
         if not has_bwd:
             print("note: no flashmask backward kernel: forward only (--force or --modes fwdbwd to add it)", flush=True)
-    common.configure_dynamo(retain_graph="bwd" in modes)
-    opts = common.Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
+    configure_dynamo(retain_graph="bwd" in modes)
+    opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
                           force_backward=args.force)
-    tile = args.tile or common.fwd_tile(d)
+    tile = args.tile or fwd_tile(d)
     meta = {"script": "bench_scaling", "args": vars(args), "modes": modes, "tile": tile,
-            "env": common.environment(device)}
+            "env": environment(device)}
     rows = []
-    tensors = common.make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed)
+    tensors = make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed)
     base = {}  # (method, mode) -> ms/density of the first document count, for the relative column
     t_start = time.perf_counter()
     for n in args.docs:
         startend = masks.causal_document(s, [equal_docs(s, n)] * args.batch, device=device)
-        pairs = common.total_pairs(startend, True, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
+        pairs = total_pairs(startend, True, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
         density = pairs / (args.batch * args.heads * s * s)
-        ts = common.tile_stats(startend, True, s, *tile)
-        problem = common.Problem(startend, True, args.batch, args.heads, d, s, dtype, device)
+        ts = tile_stats(startend, True, s, *tile)
+        problem = Problem(startend, True, args.batch, args.heads, d, s, dtype, device)
         for method in args.methods:
-            prep, failed = common.try_prepare(method, problem, opts)
+            prep, failed = try_prepare(method, problem, opts)
             for mode in modes:
                 row = {"docs": n, "seqlen": s, "head_dim": d, "heads": args.heads, "batch": args.batch, "mode": mode,
                        "method": method, "density": density, "tile_density": ts["live_fraction"], "pairs": pairs}
                 if failed is not None:
                     row.update(status=failed["status"], notes=failed["notes"])
                 else:
-                    res = common.try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
+                    res = try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
                     res.pop("fatal", None)
                     row.update(res)
                     if res["status"] == "ok":
@@ -156,14 +161,14 @@ def run(args) -> list:
                           f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s{rel}", flush=True)
                 else:
                     print(f"docs {n:3d} {method:9s} {mode:6s} {row['status']}: {row.get('notes', '')}", flush=True)
-                    common.cleanup()
-            common.release(prep)
+                    cleanup()
+            release(prep)
             prep = None
-            common.cleanup(collect=False)
+            cleanup(collect=False)
         startend = problem = None
-        common.cleanup()
+        cleanup()
     tensors = None
-    common.cleanup()
+    cleanup()
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
 
     def num(v, f):
@@ -173,10 +178,10 @@ def run(args) -> list:
               num(r.get("ms"), "{:.3f}") if r["status"] == "ok" else r["status"], num(r.get("tflops"), "{:.0f}"),
               num(r.get("ms_per_density"), "{:.2f}"), num(r.get("ms_per_tile_density"), "{:.2f}")] for r in rows]
     print()
-    print(f"causal document, S={common.fmt_len(s)}, B={args.batch}, H={args.heads}, D={d}, tile {tile[0]}x{tile[1]}")
-    print(common.format_table(["docs", "method", "mode", "density", "tile density", "ms", "TFLOP/s", "ms/density",
+    print(f"causal document, S={fmt_len(s)}, B={args.batch}, H={args.heads}, D={d}, tile {tile[0]}x{tile[1]}")
+    print(format_table(["docs", "method", "mode", "density", "tile density", "ms", "TFLOP/s", "ms/density",
                                "ms/tile density"], table, align="rllrrrrrr"))
-    csv_path, json_path = common.write_results(args.out, "scaling", rows, FIELDS, meta)
+    csv_path, json_path = write_results(args.out, "scaling", rows, FIELDS, meta)
     print(f"\n-> {csv_path}, {json_path}")
     if args.plot and rows:
         try:
@@ -184,7 +189,7 @@ def run(args) -> list:
             plot(rows, path)
             print(f"plot: {path}")
         except Exception as e:
-            print(f"plotting failed: {common.format_error(e)}")
+            print(f"plotting failed: {format_error(e)}")
     return rows
 
 

@@ -1,6 +1,6 @@
 """End to end: a packed SFT training step of a 0.5B-3B Llama-style model, per attention backend.
 
-A randomly initialised transformers model (``training_examples/example_utils.build_model``; presets
+A randomly initialised transformers model (``training_examples.models.build_model``; presets
 ``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``3b`` = Llama-3.2-3B shape (head dim
 128), ``tiny`` for CPU tests) trains with
 AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
@@ -31,9 +31,9 @@ dense mask that does not fit) or ``--max-seqlen`` is passed, and reports the lon
 
 Examples::
 
-    python benchmarks/bench_train.py                                   # 0.5b, 8K and 32K, 3 methods
-    python benchmarks/bench_train.py --model-size 1b --gradient-checkpointing --find-max
-    python benchmarks/bench_train.py --methods flashmask,flex --seqlens 8k,32k,64k --steps 10
+    python -m benchmarks.bench_train                                   # 0.5b, 8K and 32K, 3 methods
+    python -m benchmarks.bench_train --model-size 1b --gradient-checkpointing --find-max
+    python -m benchmarks.bench_train --methods flashmask,flex --seqlens 8k,32k,64k --steps 10
 """
 from __future__ import annotations
 
@@ -47,17 +47,21 @@ import time
 import warnings
 from typing import List, Optional
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-from benchmarks import common  # noqa: E402
+from benchmarks.cli import DTYPES, add_testing_args, parse_choice_list, parse_int_list
+from benchmarks.cuda_memory import cleanup, peak_since, reset_peak
+from benchmarks.dense_masks import dense_fit, dense_mask
+from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
+from benchmarks.flex import FLEX_MASK_MODS, build_block_mask, configure_dynamo
+from benchmarks.flops import total_pairs
+from benchmarks.methods import Skip
+from benchmarks.output import default_out_dir, environment, write_results
+from benchmarks.report import fmt_len, format_table, shorten, table_cell
+from benchmarks.timing import sync
+from training_examples.byte_tokenizer import VOCAB_SIZE
+from training_examples.models import MODEL_SIZES, build_model as build_preset
 
-import torch  # noqa: E402
-
-_EXAMPLES = os.path.join(common.ROOT, "training_examples")
-if _EXAMPLES not in sys.path:  # as the training examples import it
-    sys.path.insert(0, _EXAMPLES)
-import example_utils  # noqa: E402
 
 TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex")
 # The transformers attn_implementation of each method (fm_colmask: flashmask.integrations.transformers).
@@ -70,7 +74,7 @@ _FALLBACK_WARNING = "flashmask: using the reference path"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    sizes = example_utils.MODEL_SIZES
+    sizes = MODEL_SIZES
     p = argparse.ArgumentParser(
         prog="bench_train.py",
         description="Packed SFT training step (tokens/s, peak memory) of a randomly initialised Llama-style model "
@@ -89,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (compilation, allocator)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
-    p.add_argument("--dtype", default="bf16", choices=list(common.DTYPES), help="parameter and compute dtype")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="parameter and compute dtype")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
     p.add_argument("--doc-len", default="128,4096",
                    help="MIN,MAX document length (uniform); the last document of a row is cut to fill it")
@@ -114,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "allocator); expandable segments avoid fragmentation OOMs at long contexts")
     p.add_argument("--out", default=None, help="folder for train.csv / train.json; default benchmarks/results/train")
     p.add_argument("--seed", type=int, default=0, help="model init and data")
-    common.add_testing_args(p)
+    add_testing_args(p)
     return p
 
 
@@ -122,9 +126,9 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.seqlens = common.parse_int_list(args.seqlens)
-        args.methods = common.parse_choice_list(args.methods, TRAIN_METHODS, "methods")
-        args.doc_len = common.parse_int_list(args.doc_len)
+        args.seqlens = parse_int_list(args.seqlens)
+        args.methods = parse_choice_list(args.methods, TRAIN_METHODS, "methods")
+        args.doc_len = parse_int_list(args.doc_len)
     except ValueError as e:
         parser.error(str(e))
     if len(args.doc_len) != 2 or args.doc_len[0] > args.doc_len[1]:
@@ -132,7 +136,7 @@ def parse_args(argv=None):
     for name in ("batch", "steps", "loss_chunk", "max_seqlen"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    min_vocab = example_utils.byte_tokenizer.VOCAB_SIZE  # the model config's pad/bos/eos ids are 256-258
+    min_vocab = VOCAB_SIZE  # the model config's pad/bos/eos ids are 256-258
     if args.vocab_size < min_vocab:
         parser.error(f"--vocab-size must be >= {min_vocab}")
     if args.warmup_steps < 0:
@@ -140,7 +144,7 @@ def parse_args(argv=None):
     if args.flex_no_compile:
         args.flex_block_mask = "eager"  # transformers compiles flex_attention itself in any case
     if args.out is None:
-        args.out = common.default_out_dir("train")
+        args.out = default_out_dir("train")
     return args
 
 
@@ -178,7 +182,7 @@ def data_stats(batches: List[dict]) -> dict:
         startend = b[MASK_KEY]
         bsz, _, s, _ = startend.shape
         docs.append(float((b["position_ids"] == 0).sum()) / bsz)
-        dens.append(common.total_pairs(startend, True, batch=bsz, heads=1, seqlen_q=s, seqlen_k=s) / (bsz * s * s))
+        dens.append(total_pairs(startend, True, batch=bsz, heads=1, seqlen_q=s, seqlen_k=s) / (bsz * s * s))
     return {"docs_per_row": statistics.mean(docs), "density": statistics.mean(dens)}
 
 
@@ -187,15 +191,15 @@ def data_stats(batches: List[dict]) -> dict:
 # --------------------------------------------------------------------------------------------
 
 def build_model(args, method: str, seqlen: int, device: torch.device, dtype: torch.dtype):
-    """``example_utils.build_model`` (created directly on a CUDA device), in training mode."""
+    """``training_examples.models.build_model`` (created directly on a CUDA device), in training mode."""
     if method == "flashmask":
         import flashmask.integrations.transformers as fm_hf  # registers the backend
         assert fm_hf.ATTN_IMPLEMENTATION == ATTN_IMPLEMENTATION["flashmask"]
     ctx = torch.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        model = example_utils.build_model(args.arch, args.model_size, attn_implementation=ATTN_IMPLEMENTATION[method],
-                                          max_length=seqlen, vocab_size=args.vocab_size, dtype=dtype, device=device,
-                                          seed=args.seed)
+        model = build_preset(args.arch, args.model_size, attn_implementation=ATTN_IMPLEMENTATION[method],
+                             max_length=seqlen, vocab_size=args.vocab_size, dtype=dtype, device=device,
+                             seed=args.seed)
     model.config.use_cache = False
     if args.gradient_checkpointing:
         kw = {"use_reentrant": False}
@@ -208,7 +212,7 @@ def build_model(args, method: str, seqlen: int, device: torch.device, dtype: tor
 
 
 def check_method(method: str, args, model, seqlen: int, device: torch.device, dtype: torch.dtype) -> List[str]:
-    """Checks before building anything big; returns notes for the row. Raises :class:`common.Skip`
+    """Checks before building anything big; returns notes for the row. Raises :class:`Skip`
     (an ``n/a`` row: the dense mask does not fit, no backward kernel) or ``RuntimeError``."""
     cfg = model.config
     notes = []
@@ -219,7 +223,7 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
             if not flashmask.cuda.available():
                 raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
             if not flashmask.cuda.has_backward():
-                raise common.Skip("n/a (no backward kernel)")
+                raise Skip("n/a (no backward kernel)")
             hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             q = torch.empty(1, 8, cfg.num_attention_heads, hd, dtype=dtype, device=device)
             kv = torch.empty(1, 8, cfg.num_key_value_heads, hd, dtype=dtype, device=device)
@@ -229,15 +233,15 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
         elif not (device.type == "cuda" and flashmask.cuda.available()):
             notes.append("flashmask reference path")
     elif method == "sdpa_dense":
-        fits, note = common.dense_fit(args.batch, 1, seqlen, seqlen, dtype, device, args.dense_mem_fraction,
+        fits, note = dense_fit(args.batch, 1, seqlen, seqlen, dtype, device, args.dense_mem_fraction,
                                       additive=args.dense_mask == "additive")
         if not fits:
-            raise common.Skip(note)
+            raise Skip(note)
         notes.append(f"{args.dense_mask} mask")
     elif method == "flex":
         from transformers.utils import is_torch_flex_attn_available
         if not is_torch_flex_attn_available():
-            raise common.Skip("n/a (this torch/transformers has no flex_attention)")
+            raise Skip("n/a (this torch/transformers has no flex_attention)")
         h = cfg.num_attention_heads
         if h & (h - 1):
             notes.append(f"transformers repeats K/V for flex ({h} heads: not a power of 2)")
@@ -254,13 +258,13 @@ def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: tor
     if method == "flashmask":
         return {MASK_KEY: startend}
     if method == "sdpa_dense":
-        return {"attention_mask": common.dense_mask(startend, True, s,
+        return {"attention_mask": dense_mask(startend, True, s,
                                                     dtype=dtype if args.dense_mask == "additive" else torch.bool)}
     if method == "flex":
         if args.flex_mask == "position_ids":
             return {}
-        mm = common.FLEX_MASK_MODS.get(startend, True, s, None)
-        bm, _ = common.build_block_mask(mm, None if bsz == 1 else bsz, None, s, s, device, args.flex_block_mask)
+        mm = FLEX_MASK_MODS.get(startend, True, s, None)
+        bm, _ = build_block_mask(mm, None if bsz == 1 else bsz, None, s, s, device, args.flex_block_mask)
         return {"attention_mask": bm}
     raise ValueError(f"unknown method {method!r}; choose from {TRAIN_METHODS}")
 
@@ -331,7 +335,6 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
             where: dict) -> dict:
     """Train ``method`` on ``batches`` (warmup + timed); returns the measured fields. ``where['stage']``
     says how far it got (for the message of an exception)."""
-    sync = common.sync
     where["stage"] = "model"
     model = build_model(args, method, seqlen, device, dtype)
     params = sum(p.numel() for p in model.parameters())
@@ -355,7 +358,7 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
             label = f"step {i + 1}/{len(batches)}" + ("" if timed else " (warmup)")
             where["stage"] = label
             if i == args.warmup_steps:
-                common.reset_peak(device)
+                reset_peak(device)
             batch = {k: v.to(device) for k, v in cpu_batch.items()}
             sync(device)
             t0 = time.perf_counter()
@@ -374,7 +377,7 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
                 mask_times.append(t1 - t0)
             print(f"    {label:18s} {(t2 - t0) * 1e3:10.1f} ms  (mask {(t1 - t0) * 1e3:.1f} ms)  loss {loss:.4f}",
                   flush=True)
-    peak = common.peak_since(device, 0)
+    peak = peak_since(device, 0)
     del model, opt
     tokens = args.batch * seqlen
     return {"params": params, "tokens_per_s": tokens * len(times) / sum(times),
@@ -394,19 +397,19 @@ def try_run(method: str, seqlen: int, batches: List[dict], stats: dict, args, de
     fatal = False
     try:
         row.update(run_one(method, seqlen, batches, args, device, dtype, where), status="ok")
-    except common.Skip as e:
+    except Skip as e:
         row.update(status="n/a", notes=str(e))
     except Exception as e:
-        row.update(status=common.status_of(e), notes=f"{where['stage']}: {common.format_error(e)}")
-        fatal = common.is_fatal_cuda_error(e)
+        row.update(status=status_of(e), notes=f"{where['stage']}: {format_error(e)}")
+        fatal = is_fatal_cuda_error(e)
     row.setdefault("params", where.get("params"))
     row["fatal"] = fatal
-    common.cleanup()  # the model, optimizer and masks of this run are gone: free the cache for the next
+    cleanup()  # the model, optimizer and masks of this run are gone: free the cache for the next
     return row
 
 
 def _progress(r: dict) -> None:
-    what = f"{common.fmt_len(r['seqlen']):>5s} {r['method']:10s}" + (" [find-max]" if r.get("find_max") else "")
+    what = f"{fmt_len(r['seqlen']):>5s} {r['method']:10s}" + (" [find-max]" if r.get("find_max") else "")
     if r["status"] == "ok":
         peak = "-" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.2f} GiB"
         res = (f"{r['tokens_per_s']:10.0f} tok/s {r['ms_per_step']:9.1f} ms/step  peak {peak}  "
@@ -427,12 +430,12 @@ def summary_table(rows: List[dict]) -> str:
         speed = "-"
         if r["method"] != "flashmask" and ref is not None and r["status"] == "ok":
             speed = f"{ref['tokens_per_s'] / r['tokens_per_s']:.2f}x"
-        table.append([common.fmt_len(r["seqlen"]), r["method"] + (" *" if r.get("find_max") else ""),
-                      common.table_cell(r, "tokens_per_s", "{:,.0f}"), common.table_cell(r, "ms_per_step", "{:.1f}"),
-                      common.table_cell(r, "mask_ms", "{:.1f}"), common.table_cell(r, "peak_mem_gib", "{:.2f}"),
-                      common.table_cell(r, "loss_first", "{:.4f}"), speed, common.shorten(r.get("notes"))])
+        table.append([fmt_len(r["seqlen"]), r["method"] + (" *" if r.get("find_max") else ""),
+                      table_cell(r, "tokens_per_s", "{:,.0f}"), table_cell(r, "ms_per_step", "{:.1f}"),
+                      table_cell(r, "mask_ms", "{:.1f}"), table_cell(r, "peak_mem_gib", "{:.2f}"),
+                      table_cell(r, "loss_first", "{:.4f}"), speed, shorten(r.get("notes"))])
     headers = ["S", "method", "tok/s", "ms/step", "mask ms", "peak GiB", "loss0", "fm speedup", "notes"]
-    return common.format_table(headers, table, align="rlrrrrrrl")
+    return format_table(headers, table, align="rlrrrrrrl")
 
 
 def find_max(method: str, rows: List[dict], args, device, dtype, add) -> dict:
@@ -443,36 +446,36 @@ def find_max(method: str, rows: List[dict], args, device, dtype, add) -> dict:
     tried_top = any(r["method"] == method and r["seqlen"] == top for r in rows)
     longest = max(ok) if ok else None
     if tried_top and top not in ok:
-        return {"longest_seqlen": longest, "stopped": f"{common.fmt_len(top)} did not train"}
+        return {"longest_seqlen": longest, "stopped": f"{fmt_len(top)} did not train"}
     s = top * 2 if tried_top else top
     while s <= args.max_seqlen:
-        print(f"== find-max: {method} at S={common.fmt_len(s)}", flush=True)
+        print(f"== find-max: {method} at S={fmt_len(s)}", flush=True)
         batches = synthetic_batches(args.warmup_steps + args.steps, args.batch, s, args.vocab_size, args.doc_len,
                                     args.seed + s)
         row = try_run(method, s, batches, data_stats(batches), args, device, dtype, find_max=True)
         batches = None
         add(row)
         if row["status"] != "ok":
-            return {"longest_seqlen": longest, "stopped": f"{common.fmt_len(s)}: {row['status']}"}
+            return {"longest_seqlen": longest, "stopped": f"{fmt_len(s)}: {row['status']}"}
         longest = s
         s *= 2
-    return {"longest_seqlen": longest, "stopped": f"bound --max-seqlen {common.fmt_len(args.max_seqlen)} reached"}
+    return {"longest_seqlen": longest, "stopped": f"bound --max-seqlen {fmt_len(args.max_seqlen)} reached"}
 
 
 def run(args) -> list:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py: no CUDA device is available (use --device cpu for a smoke run)")
-    dtype = common.DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     alloc_env = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
     if device.type == "cuda" and args.alloc_conf and not any(os.environ.get(k) for k in alloc_env) \
             and not torch.cuda.is_initialized():
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf  # read when the allocator starts
     if "flex" in args.methods:
-        common.configure_dynamo()
-    meta = {"script": "bench_train", "args": dict(vars(args)), "env": common.environment(device),
+        configure_dynamo()
+    meta = {"script": "bench_train", "args": dict(vars(args)), "env": environment(device),
             "model_size": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads"),
-                                   example_utils.MODEL_SIZES[args.model_size]))}
+                                   MODEL_SIZES[args.model_size]))}
     try:
         import transformers
         meta["env"]["transformers"] = transformers.__version__
@@ -498,7 +501,7 @@ def run(args) -> list:
             fatal = row["notes"]
         rows.append(row)
         _progress(row)
-        common.write_results(args.out, "train", rows, FIELDS, meta)  # partial results survive a crash
+        write_results(args.out, "train", rows, FIELDS, meta)  # partial results survive a crash
 
     for s in args.seqlens:
         if fatal:
@@ -506,7 +509,7 @@ def run(args) -> list:
         batches = synthetic_batches(args.warmup_steps + args.steps, args.batch, s, args.vocab_size, args.doc_len,
                                     args.seed + s)
         stats = data_stats(batches)
-        print(f"== S={common.fmt_len(s)}: {stats['docs_per_row']:.1f} documents per row, "
+        print(f"== S={fmt_len(s)}: {stats['docs_per_row']:.1f} documents per row, "
               f"density {stats['density']:.4f}", flush=True)
         for method in args.methods:
             if fatal:
@@ -524,13 +527,13 @@ def run(args) -> list:
         print(f"\nstopped early: the CUDA context is unusable after: {fatal}", flush=True)
         meta["stopped_early"] = fatal
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    csv_path, json_path = common.write_results(args.out, "train", rows, FIELDS, meta)
+    csv_path, json_path = write_results(args.out, "train", rows, FIELDS, meta)
     print()
     print(summary_table(rows))
     if meta.get("find_max"):
         print()
     for method, fm in meta.get("find_max", {}).items():
-        longest = "none" if fm["longest_seqlen"] is None else f"{common.fmt_len(fm['longest_seqlen'])} tokens"
+        longest = "none" if fm["longest_seqlen"] is None else f"{fmt_len(fm['longest_seqlen'])} tokens"
         print(f"longest context trained with {method} (* rows): {longest} ({fm['stopped']})")
     print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
     return rows

@@ -3,16 +3,14 @@ at one seqlen, a panel per (mode, head dim) with the ratio to FlexAttention over
 bar; with --per-family DIR also one chart per mask family (every seqlen and head dim of the CSVs,
 one panel per mode). Rows of later CSVs replace those of earlier ones.
 
-    python benchmarks/plot_results.py benchmarks/results_h100/kernels.csv docs/perf_h100.png \
+    python -m benchmarks.plot_results benchmarks/results_h100/kernels.csv docs/perf_h100.png \
         --extra-csv benchmarks/results_h100/kernels_d64.csv --per-family docs/perf_h100
-    python benchmarks/plot_results.py benchmarks/results_h100/kernels_sm90_fwd_v18.csv docs/perf_h100_sm90.png \
+    python -m benchmarks.plot_results benchmarks/results_h100/kernels_sm90_fwd_v18.csv docs/perf_h100_sm90.png \
         --extra-csv benchmarks/results_h100/kernels_sm90_fwd_v20_d64.csv \
         --extra-csv benchmarks/results_h100/kernels_sm90_bwd_v22.csv --panels fwd:128,fwd:64,bwd:128,bwd:64
 """
 import argparse
 import csv
-import os
-import sys
 from collections import defaultdict
 
 METHODS = [("flashmask", "flashmask"), ("flex", "FlexAttention"), ("sdpa_dense", "SDPA dense mask")]
@@ -103,7 +101,6 @@ def main(argv=None):
     fig.savefig(args.png, dpi=110)
     print(f"-> {args.png}")
     if args.per_family:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from benchmarks.bench_kernels import plot_families
         paths = plot_families(read_rows([args.csv] + args.extra_csv), args.per_family)
         print(f"-> {len(paths)} charts in {args.per_family}")

@@ -1,4 +1,4 @@
-"""benchmarks/bench_cp.py end to end on the CPU (gloo, 2 processes, reference path, tiny sizes).
+"""``python -m benchmarks.bench_cp`` end to end on the CPU (gloo, 2 processes, reference path, tiny sizes).
 
 Keeps the GPU benchmark runnable: both subcommands run, write their CSV, and the packed-SFT
 losses at CP=2 equal those of one process (the same model, data and optimizer steps). A second
@@ -13,15 +13,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "bench_cp.py")
 
 
 def _run(args, out, ok=True):
     env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, SCRIPT, *args, "--device", "cpu", "--tiny", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    cmd = [sys.executable, "-m", "benchmarks.bench_cp", *args, "--device", "cpu", "--tiny", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     if not ok:
         return r
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

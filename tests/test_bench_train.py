@@ -2,19 +2,15 @@
 tiny end-to-end run (flashmask, dense-mask SDPA, flex), error rows, and the --find-max search."""
 import csv
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks import bench_train, common  # noqa: E402
-from flashmask.data import MASK_KEY  # noqa: E402
-from masks.format import to_dense  # noqa: E402
+from benchmarks import bench_train, cuda_memory
+from benchmarks.dense_masks import dense_fit, dense_mask
+from flashmask.data import MASK_KEY
+from masks.format import to_dense
+from training_examples.models import build_model
 
 # A tiny model and a small vocabulary keep a CPU step at tens of milliseconds.
 TINY = ["--device", "cpu", "--flashmask-backend", "reference", "--flex-no-compile", "--model-size", "tiny",
@@ -48,9 +44,8 @@ def test_synthetic_batches_fill_rows_with_packed_documents():
 
 
 def test_chunked_loss_equals_transformers_loss():
-    import example_utils
-    model = example_utils.build_model("llama", "tiny", attn_implementation="sdpa", max_length=64, vocab_size=320,
-                                      dtype=torch.float32, device="cpu")
+    model = build_model("llama", "tiny", attn_implementation="sdpa", max_length=64, vocab_size=320,
+                        dtype=torch.float32, device="cpu")
     b = bench_train.synthetic_batches(1, 2, 64, 320, (5, 30), seed=0)[0]
     inputs = dict(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
     full = model(labels=b["labels"], **inputs).loss
@@ -64,11 +59,11 @@ def test_chunked_loss_equals_transformers_loss():
 
 def test_dense_mask_additive_matches_bool():
     b = bench_train.synthetic_batches(1, 2, 40, 10, (3, 9), seed=2)[0]
-    dense = common.dense_mask(b[MASK_KEY], True, 40)
-    add = common.dense_mask(b[MASK_KEY], True, 40, chunk_bytes=50, dtype=torch.bfloat16)
+    dense = dense_mask(b[MASK_KEY], True, 40)
+    add = dense_mask(b[MASK_KEY], True, 40, chunk_bytes=50, dtype=torch.bfloat16)
     assert add.dtype == torch.bfloat16 and torch.equal(add == 0, dense)
     assert (add[~dense] == torch.finfo(torch.bfloat16).min).all()
-    fits, note = common.dense_fit(1, 1, 1024, 1024, torch.bfloat16, torch.device("cpu"), additive=True)
+    fits, note = dense_fit(1, 1, 1024, 1024, torch.bfloat16, torch.device("cpu"), additive=True)
     assert fits and "additive" in note
 
 
@@ -136,7 +131,7 @@ def test_errors_become_rows_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
     assert rows[0]["status"] == "error"
     assert "kernels unavailable" in notes or "kernels run on CUDA tensors, got cpu" in notes, notes
 
-    monkeypatch.setattr(common, "free_memory_bytes", lambda device: 10_000)
+    monkeypatch.setattr(cuda_memory, "free_memory_bytes", lambda device: 10_000)
     rows = bench_train.run(_args(tmp_path, "--methods", "sdpa_dense", "--seqlens", "128"))
     assert rows[0]["status"] == "n/a" and rows[0]["notes"].startswith("does not fit")
     assert "n/a" in capsys.readouterr().out
@@ -172,14 +167,14 @@ def test_find_max_stops_at_the_bound(tmp_path, capsys):
 
 def test_find_max_searches_every_method(tmp_path, capsys, monkeypatch):
     """Each method doubles on its own: here the dense mask stops fitting at 256 while flashmask goes on."""
-    real_fits = common.dense_fit
+    real_fits = dense_fit
 
     def fits(batch, heads, seqlen_q, seqlen_k, *a, **kw):
         if seqlen_q >= 256:
             return False, "does not fit (test)"
         return real_fits(batch, heads, seqlen_q, seqlen_k, *a, **kw)
 
-    monkeypatch.setattr(common, "dense_fit", fits)
+    monkeypatch.setattr(bench_train, "dense_fit", fits)
     rows = bench_train.run(_args(tmp_path, "--methods", "flashmask,sdpa_dense", "--seqlens", "64", "--find-max",
                                  "--max-seqlen", "512", "--steps", "1", "--warmup-steps", "0"))
     got = [(r["seqlen"], r["method"], r["status"]) for r in rows if r["find_max"]]
@@ -197,10 +192,9 @@ def test_hf_packed_block_mask_matches_the_library_mask(tmp_path):
     """--flex-mask position_ids relies on transformers building the packed-document block mask from
     the restarting position_ids; bench_train checks it against the library mask before timing."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    import example_utils
     args = _args(tmp_path, "--flex-mask", "position_ids")
-    model = example_utils.build_model("llama", "tiny", attn_implementation="flex_attention", max_length=256,
-                                      vocab_size=512, dtype=torch.float32, device="cpu")
+    model = build_model("llama", "tiny", attn_implementation="flex_attention", max_length=256,
+                        vocab_size=512, dtype=torch.float32, device="cpu")
     b = bench_train.synthetic_batches(1, 1, 256, 512, (16, 100), seed=3)[0]
     bench_train.check_hf_packed_block_mask(model, args, b, torch.device("cpu"), torch.float32)  # no raise
     b["position_ids"] = torch.arange(256)[None]  # one document: a different mask

@@ -16,11 +16,10 @@ from masks.format import to_dense
 
 from attn_helpers import random_startend
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks import bench_kernels, bench_memory, bench_scaling, bench_train
+from benchmarks import cli, dense_masks, flex, flops, methods, report, tiles, timing
 
-from benchmarks import bench_kernels, bench_memory, bench_scaling, bench_train, common  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 SIZES = [(1, 1), (1, 5), (5, 1), (17, 17), (9, 23), (23, 9), (64, 64)]
@@ -36,7 +35,7 @@ def test_count_pairs_matches_dense_random(causal, c, sq, sk):
     g = torch.Generator().manual_seed(sq * 1000 + sk * 10 + c + causal)
     for _ in range(6):
         t = random_startend(2, 3, sq, sk, causal, c, generator=g)
-        assert torch.equal(common.count_pairs(t, causal, sq), _dense_pairs(t, causal, sq))
+        assert torch.equal(flops.count_pairs(t, causal, sq), _dense_pairs(t, causal, sq))
 
 
 @pytest.mark.parametrize("causal,c", LAYOUTS)
@@ -45,35 +44,35 @@ def test_count_pairs_out_of_range_values(causal, c):
     g = torch.Generator().manual_seed(7)
     sq, sk = 13, 11
     t = torch.randint(-4, sq + 5, (2, 1, sk, c), generator=g, dtype=torch.int32)
-    assert torch.equal(common.count_pairs(t, causal, sq), _dense_pairs(t, causal, sq))
+    assert torch.equal(flops.count_pairs(t, causal, sq), _dense_pairs(t, causal, sq))
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("sq,sk", SIZES)
 def test_count_pairs_without_mask(causal, sq, sk):
     want = to_dense(None, causal, sq, sk).sum()
-    assert int(common.count_pairs(None, causal, sq, sk).sum()) == int(want)
+    assert int(flops.count_pairs(None, causal, sq, sk).sum()) == int(want)
 
 
 @pytest.mark.parametrize("family", list(masks.FAMILIES))
 @pytest.mark.parametrize("seqlen", [1, 2, 7, 33, 128, 300])
 def test_count_pairs_every_family(family, seqlen):
     t, causal = example(family, seqlen, batch_size=2)
-    assert torch.equal(common.count_pairs(t, causal), _dense_pairs(t, causal, seqlen))
+    assert torch.equal(flops.count_pairs(t, causal), _dense_pairs(t, causal, seqlen))
 
 
 def test_total_pairs_heads_and_batch():
     g = torch.Generator().manual_seed(3)
     t1 = random_startend(2, 1, 20, 20, True, 1, generator=g)
     per = _dense_pairs(t1, True, 20)  # [2, 1]
-    assert common.total_pairs(t1, True, batch=2, heads=4, seqlen_q=20, seqlen_k=20) == 4 * int(per.sum())
+    assert flops.total_pairs(t1, True, batch=2, heads=4, seqlen_q=20, seqlen_k=20) == 4 * int(per.sum())
     t2 = random_startend(1, 2, 20, 20, False, 4, generator=g)
     per = _dense_pairs(t2, False, 20)  # [1, 2]: each mask head covers 3 of 6 query heads
-    assert common.total_pairs(t2, False, batch=3, heads=6, seqlen_q=20, seqlen_k=20) == 3 * 3 * int(per.sum())
-    assert common.total_pairs(None, True, batch=1, heads=2, seqlen_q=4, seqlen_k=4) == 2 * 10
-    assert common.attn_flops(10, 128, "fwd") == 4 * 128 * 10
-    assert common.attn_flops(10, 128, "fwdbwd") == 3.5 * 4 * 128 * 10
-    assert common.attn_flops(10, 128, "bwd") == 2.5 * 4 * 128 * 10
+    assert flops.total_pairs(t2, False, batch=3, heads=6, seqlen_q=20, seqlen_k=20) == 3 * 3 * int(per.sum())
+    assert flops.total_pairs(None, True, batch=1, heads=2, seqlen_q=4, seqlen_k=4) == 2 * 10
+    assert flops.attn_flops(10, 128, "fwd") == 4 * 128 * 10
+    assert flops.attn_flops(10, 128, "fwdbwd") == 3.5 * 4 * 128 * 10
+    assert flops.attn_flops(10, 128, "bwd") == 2.5 * 4 * 128 * 10
 
 
 def _grid(b, h, sq, sk):
@@ -89,7 +88,7 @@ def test_flex_mask_mod_matches_dense(causal, c, sq, sk, hm):
     heads = 4
     for _ in range(4):
         t = random_startend(2, hm, sq, sk, causal, c, generator=g)
-        mm = common.flex_mask_mod(t, causal, sq, num_heads=heads)
+        mm = flex.flex_mask_mod(t, causal, sq, num_heads=heads)
         got = mm(*_grid(2, heads, sq, sk)).expand(2, heads, sq, sk)
         want = to_dense(t, causal, sq).repeat_interleave(heads // hm, dim=1)
         assert torch.equal(got, want)
@@ -98,12 +97,12 @@ def test_flex_mask_mod_matches_dense(causal, c, sq, sk, hm):
 @pytest.mark.parametrize("family", list(masks.FAMILIES))
 def test_flex_mask_mod_every_family(family):
     t, causal = example(family, 96)
-    got = common.flex_mask_mod(t, causal)(*_grid(1, 1, 96, 96))
+    got = flex.flex_mask_mod(t, causal)(*_grid(1, 1, 96, 96))
     assert torch.equal(got, to_dense(t, causal))
 
 
 def test_flex_mask_mod_cache_reuses_function_and_follows_values():
-    cache = common.FlexMaskModCache()
+    cache = flex.FlexMaskModCache()
     a, _ = example("causal_document", 64)
     b, _ = example("sliding_window", 64)
     fa = cache.get(a, True, 64, 2)
@@ -120,11 +119,11 @@ def test_flex_create_block_mask_on_cpu(causal, c):
     g = torch.Generator().manual_seed(11 + c)
     s, blk = 256, 128
     t = random_startend(1, 1, s, s, causal, c, generator=g)
-    bm = fa.create_block_mask(common.flex_mask_mod(t, causal), None, None, s, s, device="cpu")
+    bm = fa.create_block_mask(flex.flex_mask_mod(t, causal), None, None, s, s, device="cpu")
     dense = to_dense(t, causal)[0, 0]
     want = dense.view(s // blk, blk, s // blk, blk).any(3).any(1).int()
     assert torch.equal(bm.to_dense()[0, 0], want)
-    assert common.block_mask_bytes(bm) == common.block_mask_bytes_estimate(1, 1, s, s)
+    assert flex.block_mask_bytes(bm) == flex.block_mask_bytes_estimate(1, 1, s, s)
 
 
 @pytest.mark.parametrize("causal,c", LAYOUTS)
@@ -134,7 +133,7 @@ def test_tile_stats_is_sound(causal, c, sq, sk, bm, bn):
     g = torch.Generator().manual_seed(sq * bm + sk * bn + c)
     for _ in range(4):
         t = random_startend(2, 1, sq, sk, causal, c, generator=g)
-        st = common.tile_stats(t, causal, sq, bm, bn, return_maps=True)
+        st = tiles.tile_stats(t, causal, sq, bm, bn, return_maps=True)
         dense = to_dense(t, causal, sq)
         for b in range(2):
             for i in range(st["live_map"].shape[2]):
@@ -149,31 +148,31 @@ def test_tile_stats_is_sound(causal, c, sq, sk, bm, bn):
 
 def test_tile_stats_causal_document():
     t, _ = example("causal_document", 1024)
-    full = common.tile_stats(None, True, 1024, 128, 64, seqlen_k=1024)
-    doc = common.tile_stats(t, True, 1024, 128, 64)
+    full = tiles.tile_stats(None, True, 1024, 128, 64, seqlen_k=1024)
+    doc = tiles.tile_stats(t, True, 1024, 128, 64)
     assert 0 < doc["live"] < full["live"] <= full["tiles"]
 
 
 def test_dense_mask_in_chunks_and_is_plain():
     g = torch.Generator().manual_seed(5)
     t = random_startend(2, 1, 33, 33, False, 4, generator=g)
-    assert torch.equal(common.dense_mask(t, False, 33, chunk_bytes=100), to_dense(t, False, 33))
-    assert common.is_plain(example("causal", 64)[0], True, 64)
-    assert common.is_plain(example("full", 64)[0], False, 64)
-    assert not common.is_plain(example("causal_document", 64)[0], True, 64)
-    fits, note = common.dense_fit(1, 1, 1024, 1024, torch.bfloat16, torch.device("cpu"))
+    assert torch.equal(dense_masks.dense_mask(t, False, 33, chunk_bytes=100), to_dense(t, False, 33))
+    assert flops.is_plain(example("causal", 64)[0], True, 64)
+    assert flops.is_plain(example("full", 64)[0], False, 64)
+    assert not flops.is_plain(example("causal_document", 64)[0], True, 64)
+    fits, note = dense_masks.dense_fit(1, 1, 1024, 1024, torch.bfloat16, torch.device("cpu"))
     assert fits and "GB" in note
 
 
 def test_parse_helpers():
-    assert common.parse_int_list("8192, 32k,128K,2m") == [8192, 32768, 131072, 2097152]
+    assert cli.parse_int_list("8192, 32k,128K,2m") == [8192, 32768, 131072, 2097152]
     with pytest.raises(ValueError):
-        common.parse_int_list("8x")
-    assert common.parse_choice_list("all", ("a", "b"), "x") == ["a", "b"]
+        cli.parse_int_list("8x")
+    assert cli.parse_choice_list("all", ("a", "b"), "x") == ["a", "b"]
     with pytest.raises(ValueError):
-        common.parse_choice_list("a,c", ("a", "b"), "x")
-    assert common.fmt_len(32768) == "32K" and common.fmt_bytes(3 * 2 ** 30) == "3.00 GiB"
-    assert "--" in common.format_table(["a", "b"], [[1, 2.5]])
+        cli.parse_choice_list("a,c", ("a", "b"), "x")
+    assert report.fmt_len(32768) == "32K" and report.fmt_bytes(3 * 2 ** 30) == "3.00 GiB"
+    assert "--" in report.format_table(["a", "b"], [[1, 2.5]])
 
 
 @pytest.mark.parametrize("module", [bench_kernels, bench_scaling, bench_memory, bench_train])
@@ -184,30 +183,32 @@ def test_cli_help(module, capsys):
     assert "usage" in capsys.readouterr().out
 
 
-def test_scripts_run_as_files_without_cuda_or_triton():
+def test_scripts_run_as_modules_without_cuda_or_triton():
     """In a fresh interpreter with triton unimportable and no GPU: import every module, and run each
-    script file with --help as `python benchmarks/x.py --help` would (from another directory)."""
-    code = f"""
-import os, runpy, sys
+    script with --help as `python -m benchmarks.x --help` would (from the checkout root)."""
+    code = """
+import runpy, sys
 sys.modules['triton'] = None  # any `import triton` now fails
-for name in ('bench_kernels.py', 'bench_scaling.py', 'bench_memory.py', 'bench_train.py'):
-    path = os.path.join({ROOT!r}, 'benchmarks', name)
-    sys.argv = [path, '--help']
+for name in ('bench_kernels', 'bench_scaling', 'bench_memory', 'bench_train'):
+    sys.argv = [name + '.py', '--help']
     try:
-        runpy.run_path(path, run_name='__main__')  # the scripts put the checkout on sys.path themselves
+        runpy.run_module('benchmarks.' + name, run_name='__main__', alter_sys=True)
     except SystemExit as e:
         assert e.code == 0, (name, e.code)
     else:
         raise AssertionError(name + ' --help did not exit')
-import benchmarks.common, benchmarks.bench_kernels, benchmarks.bench_scaling, benchmarks.bench_memory
-import benchmarks.bench_train
+import benchmarks.bench_kernels, benchmarks.bench_scaling, benchmarks.bench_memory, benchmarks.bench_train
+import benchmarks.bench_cp, benchmarks.plot_results
+import benchmarks.cli, benchmarks.cuda_memory, benchmarks.dense_masks, benchmarks.errors, benchmarks.flex
+import benchmarks.flops, benchmarks.methods, benchmarks.output, benchmarks.report, benchmarks.tiles
+import benchmarks.timing
 import torch
 assert not torch.cuda.is_initialized()
 print('IMPORTS-OK')
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd="/")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "IMPORTS-OK" in r.stdout and r.stdout.count("usage:") == 4
 
@@ -282,7 +283,7 @@ def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypa
     assert "[   5/5]" in out and "det ms" in out and "det cost" in out
     # the deterministic flag reaches flashmask_attention
     import flashmask
-    p = common.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
+    p = methods.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
     seen, real = [], flashmask.flashmask_attention
 
     def spy(*a, **k):
@@ -290,11 +291,11 @@ def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypa
         return real(*a, **k)
 
     monkeypatch.setattr(flashmask, "flashmask_attention", spy)
-    q, k, v, _ = common.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu"))
+    q, k, v, _ = timing.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu"))
     for m in ("flashmask", "flashmask_det"):
-        common.prepare_method(m, p, common.Options(flashmask_backend="reference")).attn(q, k, v)
+        methods.prepare_method(m, p, methods.Options(flashmask_backend="reference")).attn(q, k, v)
     assert seen == [False, True]
-    assert common.method_modes("flashmask_det", ["fwd"]) == [] and common.method_modes("flex", ["fwd"]) == ["fwd"]
+    assert methods.method_modes("flashmask_det", ["fwd"]) == [] and methods.method_modes("flex", ["fwd"]) == ["fwd"]
 
 
 def test_flex_flash_asks_for_the_flash_backend(monkeypatch):
@@ -307,16 +308,16 @@ def test_flex_flash_asks_for_the_flash_backend(monkeypatch):
         seen.append((kw["kernel_options"], kw["block_mask"].shape))
         return flex_attention(q, k, v, block_mask=kw["block_mask"], enable_gqa=kw["enable_gqa"])
 
-    monkeypatch.setattr(common, "compiled_flex_attention", lambda compile=True: spy)
+    monkeypatch.setattr(flex, "compiled_flex_attention", lambda compile=True: spy)
     mask, causal = example("sliding_window", 64)
-    p = common.Problem(mask, causal, 1, 2, 16, 64, torch.float32, torch.device("cpu"))
-    q, k, v, _ = common.make_inputs(1, 64, 2, 16, torch.float32, torch.device("cpu"))
+    p = methods.Problem(mask, causal, 1, 2, 16, 64, torch.float32, torch.device("cpu"))
+    q, k, v, _ = timing.make_inputs(1, 64, 2, 16, torch.float32, torch.device("cpu"))
     q, k, v = q.detach(), k.detach(), v.detach()
-    opt = common.Options(flex_compile=False)
-    outs = [common.prepare_method(m, p, opt).attn(q, k, v) for m in ("flex", "flex_flash")]
+    opt = methods.Options(flex_compile=False)
+    outs = [methods.prepare_method(m, p, opt).attn(q, k, v) for m in ("flex", "flex_flash")]
     assert [o for o, _ in seen] == [None, {"BACKEND": "FLASH"}] and seen[0][1] == seen[1][1]
     torch.testing.assert_close(outs[0], outs[1])
-    assert "flex_flash" in common.EXTRA_METHODS and "flex_flash" not in common.METHODS
+    assert "flex_flash" in methods.EXTRA_METHODS and "flex_flash" not in methods.METHODS
 
 
 def test_bench_kernels_gqa_on_cpu(tmp_path, capsys):
@@ -334,12 +335,12 @@ def test_bench_kernels_gqa_on_cpu(tmp_path, capsys):
     with open(tmp_path / "kernels.csv") as f:
         assert {r["kv_heads"] for r in csv.DictReader(f)} == {"2"}
     mask, causal = example("causal_document", 64)
-    p = common.Problem(mask, causal, 1, 4, 16, 64, torch.float32, torch.device("cpu"), kv_heads=2)
-    q, k, v, _ = common.make_inputs(1, 64, 4, 16, torch.float32, torch.device("cpu"), kv_heads=2)
+    p = methods.Problem(mask, causal, 1, 4, 16, 64, torch.float32, torch.device("cpu"), kv_heads=2)
+    q, k, v, _ = timing.make_inputs(1, 64, 4, 16, torch.float32, torch.device("cpu"), kv_heads=2)
     assert q.shape == (1, 64, 4, 16) and k.shape == v.shape == (1, 64, 2, 16)
-    opt = common.Options(flashmask_backend="reference", flex_compile=False)
+    opt = methods.Options(flashmask_backend="reference", flex_compile=False)
     q, k, v = q.detach(), k.detach(), v.detach()  # Flex has no CPU backward
-    outs = {m: common.prepare_method(m, p, opt).attn(q, k, v) for m in ("flashmask", "flex", "sdpa_dense")}
+    outs = {m: methods.prepare_method(m, p, opt).attn(q, k, v) for m in ("flashmask", "flex", "sdpa_dense")}
     torch.testing.assert_close(outs["flex"], outs["flashmask"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs["sdpa_dense"], outs["flashmask"], atol=1e-4, rtol=1e-4)
     with pytest.raises(SystemExit):
@@ -352,13 +353,13 @@ def test_bench_kernels_backward_na_without_kernel(tmp_path, capsys, monkeypatch)
     import flashmask
     monkeypatch.setattr(flashmask.cuda, "available", lambda: True)
     monkeypatch.setattr(flashmask.cuda, "has_backward", lambda: False)
-    p = common.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
-    prep = common.prepare_method("flashmask", p, common.Options(flashmask_backend="cuda"))
+    p = methods.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
+    prep = methods.prepare_method("flashmask", p, methods.Options(flashmask_backend="cuda"))
     assert prep.no_backward == "n/a (no kernel)"
-    res = common.try_time(prep, "fwdbwd", common.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
+    res = timing.try_time(prep, "fwdbwd", timing.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
                           100, 16, 0, 0, torch.device("cpu"))
     assert res["status"] == "n/a" and res["notes"] == "n/a (no kernel)"
-    prep = common.prepare_method("flashmask", p, common.Options(flashmask_backend="cuda", force_backward=True))
+    prep = methods.prepare_method("flashmask", p, methods.Options(flashmask_backend="cuda", force_backward=True))
     assert prep.no_backward is None
 
 
@@ -391,7 +392,7 @@ def test_bench_memory_flow_on_cpu(tmp_path, capsys):
 
 
 def _c_tile(fn_name, head_dim):
-    """(BlockM, BlockN) from csrc/sm80/tile_config.h, whose tables benchmarks/common.py mirrors."""
+    """(BlockM, BlockN) from csrc/sm80/tile_config.h, whose tables benchmarks/tiles.py mirrors."""
     src = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "sm80", "tile_config.h")).read()
     body = re.search(rf"constexpr \w+ {fn_name}\(int head_dim\) \{{\s*return (.*?);\s*\}}", src, re.S).group(1)
     for limit, m, n, _ in re.findall(r"(?:head_dim <= (\d+) \? )?\w+Tile\{(\d+), (\d+), (\d+)\}", body):
@@ -402,29 +403,29 @@ def _c_tile(fn_name, head_dim):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 def test_tile_tables_mirror_the_kernels(head_dim):
-    assert common.fwd_tile(head_dim) == _c_tile("fwd_tile", head_dim)
-    assert common.bwd_tile(head_dim) == _c_tile("bwd_tile", head_dim)
+    assert tiles.fwd_tile(head_dim) == _c_tile("fwd_tile", head_dim)
+    assert tiles.bwd_tile(head_dim) == _c_tile("bwd_tile", head_dim)
 
 
 def test_host_bound_note_names_cells_whose_launch_path_is_as_long_as_the_call():
-    assert common.host_bound_note(0.100, None) == ""
-    assert common.host_bound_note(0.100, 0.060) == ""  # the GPU still runs ahead of the host
-    note = common.host_bound_note(0.288, 0.283)  # a slow host: the GPU waits for each launch
+    assert timing.host_bound_note(0.100, None) == ""
+    assert timing.host_bound_note(0.100, 0.060) == ""  # the GPU still runs ahead of the host
+    note = timing.host_bound_note(0.288, 0.283)  # a slow host: the GPU waits for each launch
     assert note == "host-bound? 0.283 ms of host time a call against 0.288 ms measured"
-    assert common.host_bound_note(0.100, 0.081).startswith("host-bound?")  # past the share (0.8)
-    assert common.host_bound_note(0.100, 0.079) == ""
+    assert timing.host_bound_note(0.100, 0.081).startswith("host-bound?")  # past the share (0.8)
+    assert timing.host_bound_note(0.100, 0.079) == ""
 
 
 def test_host_ms_per_call_times_the_launches():
     import time
-    assert common.host_ms_per_call(lambda: time.sleep(0.002), torch.device("cpu"), calls=5) >= 1.9
+    assert timing.host_ms_per_call(lambda: time.sleep(0.002), torch.device("cpu"), calls=5) >= 1.9
     with pytest.raises(ValueError, match="calls must be at least 1, got 0"):
-        common.host_ms_per_call(lambda: None, torch.device("cpu"), calls=0)
+        timing.host_ms_per_call(lambda: None, torch.device("cpu"), calls=0)
 
 
 def test_try_time_measures_no_host_time_off_cuda():
-    p = common.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
-    prep = common.prepare_method("flashmask", p, common.Options(flashmask_backend="reference"))
-    res = common.try_time(prep, "fwd", common.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
+    p = methods.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
+    prep = methods.prepare_method("flashmask", p, methods.Options(flashmask_backend="reference"))
+    res = timing.try_time(prep, "fwd", timing.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
                           100, 16, 0, 0, torch.device("cpu"))
     assert res["status"] == "ok" and res["host_ms"] is None and "host-bound" not in res["notes"]

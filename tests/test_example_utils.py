@@ -1,7 +1,6 @@
 """The pieces of the training examples: data loading, the resumable stream, smoothed tokens/s,
 the byte tokenizer and prompt formatting."""
 import json
-import os
 import sys
 
 import pytest
@@ -10,12 +9,14 @@ import torch
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "training_examples"))
-
-import byte_tokenizer  # noqa: E402
-import example_utils  # noqa: E402
-from train_log import Throughput  # noqa: E402
+from training_examples import byte_tokenizer  # noqa: E402
+from training_examples.checkpoints import TRAINER_STATE, find_checkpoint  # noqa: E402
+from training_examples.models import MODEL_SIZES  # noqa: E402
+from training_examples.packing import PackedStream  # noqa: E402
+from training_examples.parallel import Parallel  # noqa: E402
+from training_examples.prompts import answer_ids, prompt_ids  # noqa: E402
+from training_examples.records import DataError, load_records  # noqa: E402
+from training_examples.train_log import Throughput, rate_str  # noqa: E402
 
 ROWS = [{"instruction": f"What is {i} + 1?", "response": f"{i + 1}.", "extra": i} for i in range(7)]
 
@@ -32,9 +33,9 @@ def test_load_records_from_files(tmp_path, fmt):
     else:
         ds = datasets.Dataset.from_list(ROWS)
         ds.to_parquet(path) if fmt == "parquet" else ds.to_csv(path, index=False)
-    got = example_utils.load_records(path, ["instruction", "response"])
+    got = load_records(path, ["instruction", "response"])
     assert got == [{"instruction": r["instruction"], "response": r["response"]} for r in ROWS]
-    assert len(example_utils.load_records(path, ["instruction"], max_samples=3)) == 3
+    assert len(load_records(path, ["instruction"], max_samples=3)) == 3
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json"])
@@ -47,23 +48,47 @@ def test_load_records_without_datasets(tmp_path, monkeypatch, fmt):
             f.writelines(json.dumps(r) + "\n" for r in ROWS)
         else:
             json.dump(ROWS, f)
-    with_datasets = example_utils.load_records(path, ["instruction", "response"], max_samples=5)
+    with_datasets = load_records(path, ["instruction", "response"], max_samples=5)
     datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "data.parquet"))
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
-    assert example_utils.load_records(path, ["instruction", "response"], max_samples=5) == with_datasets
+    assert load_records(path, ["instruction", "response"], max_samples=5) == with_datasets
     with pytest.raises(ValueError, match="no field 'answer'"):
-        example_utils.load_records(path, ["answer"])
+        load_records(path, ["answer"])
     with pytest.raises(ImportError, match="pip install datasets"):
-        example_utils.load_records(str(tmp_path / "data.parquet"), ["response"])
+        load_records(str(tmp_path / "data.parquet"), ["response"])
+
+
+BROKEN = {  # file name -> (its text, what the error names)
+    "lines.jsonl": ('{"instruction": "a", "response": "b"}\n\n{"instruction": "c", "response": \n',
+                    "line 3: not valid JSON"),
+    "array.json": ('[{"instruction": "a", "response": "b"},\n {"instruction": "c" "response": "d"}]\n',
+                   "line 2: not valid JSON"),
+    "list.jsonl": ('{"instruction": "a", "response": "b"}\n["c", "d"]\n', "line 2: a JSON list, expected an object"),
+    "bytes.jsonl": ('{"instruction": "a", "response": "b"}\n{"instruction": "\udcff", "response": "d"}\n',
+                    "line 2: not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("with_datasets", [True, False])
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_malformed_json_names_the_file_and_the_line(tmp_path, monkeypatch, name, with_datasets):
+    text, what = BROKEN[name]
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    if not with_datasets:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError) as e:
+        load_records(str(path), ["instruction", "response"])
+    assert str(e.value).startswith(f"--data {path}: {what}"), str(e.value)
 
 
 def test_load_records_glob_and_missing_field(tmp_path):
     for k in range(2):
         datasets.Dataset.from_list(ROWS[k * 3:(k + 1) * 3]).to_parquet(str(tmp_path / f"part{k}.parquet"))
-    assert len(example_utils.load_records(str(tmp_path / "part*.parquet"), ["response"])) == 6
-    assert len(example_utils.load_records(str(tmp_path), ["response"])) == 6  # a directory of data files
+    assert len(load_records(str(tmp_path / "part*.parquet"), ["response"])) == 6
+    assert len(load_records(str(tmp_path), ["response"])) == 6  # a directory of data files
     with pytest.raises(ValueError, match=r"no field 'answer'; its fields are \['instruction', 'response', 'extra'\]"):
-        example_utils.load_records(str(tmp_path / "part0.parquet"), ["instruction", "answer"])
+        load_records(str(tmp_path / "part0.parquet"), ["instruction", "answer"])
 
 
 def test_load_records_by_dataset_name(monkeypatch):
@@ -75,7 +100,7 @@ def test_load_records_by_dataset_name(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    got = example_utils.load_records("someone/some-pairs", ["response"], split="train[:10]", config="en")
+    got = load_records("someone/some-pairs", ["response"], split="train[:10]", config="en")
     assert seen == {"name": "someone/some-pairs", "config": "en", "split": "train[:10]"} and len(got) == 7
 
     def offline(*a, **k):
@@ -83,22 +108,30 @@ def test_load_records_by_dataset_name(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(RuntimeError, match="not a local file or directory.*offline"):
-        example_utils.load_records("someone/some-pairs", ["response"])
+        load_records("someone/some-pairs", ["response"])
 
 
 def test_packed_stream_resumes_where_it_stood():
     items = [[0] * n for n in (3, 5, 2, 7, 4, 6, 1, 20)]  # 20 > max_length: skipped
-    a = example_utils.PackedStream(items, len, 10, seed=3)
+    a = PackedStream(items, len, 10, seed=3)
     assert a.dropped == 1
     first = a.rows(5)
     assert all(sum(map(len, row)) <= 10 and row for row in first)
     state = a.state_dict()
     rest = a.rows(7)  # crosses into later epochs
-    b = example_utils.PackedStream(items, len, 10, seed=3)
+    b = PackedStream(items, len, 10, seed=3)
     b.load_state_dict(state)
     assert b.rows(7) == rest
     with pytest.raises(ValueError, match="no sample fits"):
-        example_utils.PackedStream([[0] * 11], len, 10, seed=0)
+        PackedStream([[0] * 11], len, 10, seed=0)
+
+
+def test_rates_are_per_gpu_or_per_process():
+    one, cpu = Parallel(), Parallel(rank=0, world=2, cp=2, device_type="cpu")
+    gpu = Parallel(rank=0, world=2, cp=2, device_type="cuda")
+    assert rate_str(3000.0, one) == "3,000 tokens/s"
+    assert rate_str(3000.0, cpu) == "1,500 tokens/s/process (3,000 in all)"
+    assert rate_str(3000.0, gpu) == "1,500 tokens/s/GPU (3,000 in all)"
 
 
 def test_throughput_is_smoothed_and_skips_warm_up():
@@ -126,31 +159,31 @@ def test_byte_tokenizer_ids_are_bytes_and_it_round_trips(tmp_path):
 
 def test_prompt_uses_the_chat_template_when_there_is_one():
     tok = byte_tokenizer.byte_tokenizer()
-    plain = example_utils.prompt_ids(tok, "hi")
+    plain = prompt_ids(tok, "hi")
     assert plain == [257] + list(b"User: hi\nAssistant: ")
     tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}")
-    assert bytes(example_utils.prompt_ids(tok, "hi")) == b"<user>hi<assistant>"
-    assert example_utils.prompt_ids(tok, "hi", use_chat_template=False) == plain
-    assert example_utils.answer_ids(tok, "ok") == list(b"ok") + [258]
+    assert bytes(prompt_ids(tok, "hi")) == b"<user>hi<assistant>"
+    assert prompt_ids(tok, "hi", use_chat_template=False) == plain
+    assert answer_ids(tok, "ok") == list(b"ok") + [258]
 
 
 def test_find_checkpoint_takes_the_latest(tmp_path):
     for step in (2, 10, 9):
         d = tmp_path / f"checkpoint-{step}"
         d.mkdir()
-        torch.save({}, d / example_utils.TRAINER_STATE)
+        torch.save({}, d / TRAINER_STATE)
     (tmp_path / "checkpoint-11").mkdir()  # no trainer state: not a checkpoint
-    assert example_utils.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
-    assert example_utils.find_checkpoint(str(tmp_path / "checkpoint-2")) == str(tmp_path / "checkpoint-2")
+    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    assert find_checkpoint(str(tmp_path / "checkpoint-2")) == str(tmp_path / "checkpoint-2")
     with pytest.raises(FileNotFoundError):
-        example_utils.find_checkpoint(str(tmp_path / "checkpoint-11"))
+        find_checkpoint(str(tmp_path / "checkpoint-11"))
 
 
 def test_model_presets_have_the_published_shapes():
     """(hidden, intermediate, layers, heads, KV heads): heads divide the hidden size and KV heads the
     heads (GQA); the presets named after a model have its head dim (0.5b and 1b: 64, 3b: 128)."""
-    for name, (hidden, inter, layers, heads, kv) in example_utils.MODEL_SIZES.items():
+    for name, (hidden, inter, layers, heads, kv) in MODEL_SIZES.items():
         assert hidden % heads == 0 and heads % kv == 0 and layers > 0 and inter > hidden, name
-    head_dim = {name: s[0] // s[3] for name, s in example_utils.MODEL_SIZES.items()}
+    head_dim = {name: s[0] // s[3] for name, s in MODEL_SIZES.items()}
     assert (head_dim["0.5b"], head_dim["1b"], head_dim["3b"]) == (64, 64, 128)

@@ -6,16 +6,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "training_examples")
-sys.path.insert(0, EXAMPLES)
 
-import dpo_packed  # noqa: E402
-import sft_packed  # noqa: E402
+from training_examples import dpo_packed, sft_packed  # noqa: E402
+from training_examples.dpo_loss import preference_accuracy  # noqa: E402
 
 COMMON = ["--device", "cpu", "--model-size", "tiny", "--log-every", "2"]
 
@@ -57,6 +57,16 @@ def test_sft_checkpoints_resume_and_loss_curve(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_resume_past_steps_says_there_is_nothing_to_train(tmp_path, capsys):
+    sft_packed.main(SFT_SHORT + ["--steps", "2", "--output-dir", str(tmp_path), "--progress", "off"])
+    capsys.readouterr()
+    for steps in ("2", "1"):
+        res = sft_packed.main(SFT_SHORT + ["--steps", steps, "--resume", str(tmp_path), "--progress", "off"])
+        out = capsys.readouterr().out
+        assert f"checkpoint at step 2 >= --steps {steps}: nothing to train" in out, out
+        assert res["checkpoint"] is None and len(res["losses"]) == 2  # the checkpoint's history, no new step
+
+
 def test_checkpoint_reloads_as_a_hugging_face_model(tmp_path):
     first = sft_packed.main(SFT_SHORT + ["--steps", "10", "--output-dir", str(tmp_path)])
     ckpt = first["checkpoint"]
@@ -79,8 +89,15 @@ def test_dpo_packed_loss_falls(arch, capsys):
     losses = res["losses"]
     assert len(losses) == 12
     assert abs(losses[0] - 0.6931) < 1e-3  # policy == reference at the first step: log(2)
+    assert res["accuracy"][0] == 0.5  # ... and every margin a tie, counted as half
     assert sum(losses[-4:]) / 4 < 0.45, losses
     assert "tokens/s" in out and "peak mem" in out and "acc" in out
+
+
+def test_preference_accuracy_counts_ties_as_half():
+    assert float(preference_accuracy(torch.tensor([0.3, 0.0, -0.2, 0.0]))) == 0.5
+    assert float(preference_accuracy(torch.zeros(3))) == 0.5
+    assert float(preference_accuracy(torch.tensor([1e-6, -1e-6]))) == 0.5
 
 
 def test_dpo_packed_with_sft_warmup_runs():
@@ -105,10 +122,10 @@ def test_progress_bar_on_request(capsys):
     assert "sft_packed" in err and "2/2" in err and "tok_s=" in err
 
 
-@pytest.mark.parametrize("script", ["sft_packed.py", "dpo_packed.py"])
-def test_help_documents_the_options(script):
-    r = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--help"], capture_output=True, text=True,
-                       timeout=120)
+@pytest.mark.parametrize("module", ["training_examples.sft_packed", "training_examples.dpo_packed"])
+def test_help_documents_the_options(module):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr
     for opt in ("--model-size", "--max-length", "--steps", "--device", "--dtype", "--lr", "--log-every", "--arch",
                 "--batch-size", "--data", "--model", "--output-dir", "--save-every", "--resume", "--progress",
@@ -153,9 +170,32 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "--mlp-chunk must be >= 0" in capsys.readouterr().err
 
 
+def test_malformed_data_file_ends_the_run_with_one_line(tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "c", "response": "d",}\n')
+    for main in (sft_packed.main, dpo_packed.main):
+        with pytest.raises(SystemExit) as e:
+            main(SFT_SHORT + ["--steps", "1", "--data", str(bad)])
+        msg = str(e.value.code)
+        assert msg.startswith(f"error: --data {bad}: line 2: not valid JSON") and "\n" not in msg, msg
+
+
+def test_device_without_cuda_is_one_clear_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for main, device in ((sft_packed.main, "cuda"), (dpo_packed.main, "cuda:1")):
+        with pytest.raises(SystemExit):
+            main(["--device", device])
+        err = capsys.readouterr().err
+        assert f"--device {device}: CUDA is not available" in err and "--device cpu" in err, err
+    with pytest.raises(SystemExit):
+        sft_packed.main(["--device", "gpu"])
+    assert "--device gpu: not a device name" in capsys.readouterr().err
+
+
 def test_shipped_data_is_what_the_generator_writes(tmp_path):
-    sys.path.insert(0, os.path.join(EXAMPLES, "data"))
-    import make_data
+    from training_examples.data import make_data
 
     make_data.main(str(tmp_path))
     for name in ("sft.jsonl", "dpo.jsonl"):

@@ -18,14 +18,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "training_examples")
-sys.path.insert(0, EXAMPLES)
 
-import dpo_packed  # noqa: E402
-import sft_packed  # noqa: E402
+from training_examples import dpo_packed, sft_packed  # noqa: E402
 
-SFT = os.path.join(EXAMPLES, "sft_packed.py")
-DPO = os.path.join(EXAMPLES, "dpo_packed.py")
+SFT = "training_examples.sft_packed"
+DPO = "training_examples.dpo_packed"
 BASE = ["--device", "cpu", "--model-size", "tiny", "--max-length", "256", "--batch-size", "1", "--cp-align", "8",
         "--progress", "off"]
 DPO_BASE = ["--device", "cpu", "--model-size", "tiny", "--max-length", "256", "--batch-size", "2", "--cp-align", "8",
@@ -33,9 +30,11 @@ DPO_BASE = ["--device", "cpu", "--model-size", "tiny", "--max-length", "256", "-
 REL = 1e-4
 
 
-def torchrun(script, nproc, args):
-    """Run ``script args`` in ``nproc`` processes; returns rank 0's stdout (the others print nothing)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", script]
+def torchrun(module, nproc, args):
+    """Run ``-m module args`` in ``nproc`` processes from the checkout root; returns rank 0's stdout (the
+    others print nothing)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", "-m",
+           module]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     r = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
@@ -52,9 +51,11 @@ def check_report(out, nproc, dp, cp):
     assert f"dp={dp} x cp={cp}" in out and "attn_implementation=fm_cp" in out
     done = [line for line in out.splitlines() if line.startswith("done:")]
     assert len(done) == 1, out
-    assert "tokens/s/GPU" in done[0] and "peak mem" in done[0] and f"max over {nproc} ranks" in done[0], done[0]
+    # CPU processes: throughput and memory per process, not "per GPU"
+    assert "tokens/s/process" in done[0] and "GiB/process" in done[0] and "GPU" not in done[0], done[0]
+    assert "peak mem" in done[0] and f"max over {nproc} ranks" in done[0], done[0]
     steps = [line for line in out.splitlines() if line.startswith("step ")]
-    assert steps and all("tokens/s/GPU" in s and "peak mem" in s for s in steps), out
+    assert steps and all("tokens/s/process" in s and "peak mem" in s and "GPU" not in s for s in steps), out
 
 
 @pytest.fixture(scope="module")

@@ -21,21 +21,22 @@ Hugging Face causal LM with its tokenizer) or a randomly initialised Llama / Qwe
 ``--sft-steps`` first trains it briefly on the chosen answers so that a random reference is not
 uniform noise.
 
-A progress bar and a log line show the loss, the preference accuracy and margin, tokens/s through
+A progress bar and a log line show the loss, the preference accuracy (the share of pairs whose
+margin is positive, a tie counting as half) and margin, tokens/s through
 the policy (smoothed over the last 20 steps) and peak memory; ``--output-dir`` gets
 ``save_pretrained`` checkpoints, ``loss.csv`` and ``loss.png``.
 
 Examples::
 
     # CPU, a few seconds: the loss falls from log(2) = 0.693
-    python training_examples/dpo_packed.py --steps 20 --output-dir runs/dpo
+    python -m training_examples.dpo_packed --steps 20 --output-dir runs/dpo
 
     # GPU: a local Qwen2.5-0.5B-Instruct, packs of 32K tokens, with the CUDA kernels
-    python training_examples/dpo_packed.py --device cuda --model ~/models/Qwen2.5-0.5B-Instruct \\
+    python -m training_examples.dpo_packed --device cuda --model ~/models/Qwen2.5-0.5B-Instruct \\
         --max-length 32768 --batch-size 1 --steps 50 --lr 1e-6 --gradient-checkpointing --output-dir runs/dpo-qwen
 
     # 2 GPUs: every row split over both (context parallelism), policy and reference sharded with FSDP2
-    torchrun --nproc-per-node 2 training_examples/dpo_packed.py --cp 2 --model ~/models/Qwen2.5-0.5B-Instruct \\
+    torchrun --nproc-per-node 2 -m training_examples.dpo_packed --cp 2 --model ~/models/Qwen2.5-0.5B-Instruct \\
         --max-length 131072 --batch-size 1 --steps 50 --lr 1e-6 --gradient-checkpointing
 
 With several processes each rank computes the log-probabilities of its own tokens; the per-response
@@ -47,18 +48,24 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import example_utils  # noqa: E402  (also puts the repository root on sys.path)
+from training_examples.checkpoints import save_pretrained
+from training_examples.cli import check_args, make_parser
+from training_examples.dpo_loss import LOGPS_METHOD, dpo_step, preference_accuracy, response_logps
+from training_examples.models import backend_note, load_model_and_tokenizer, load_pretrained, prepare_model
+from training_examples.packing import PackedStream
+from training_examples.parallel import Parallel, dp_mean, next_rows, run_parallel
+from training_examples.prompts import answer_ids, prompt_ids
+from training_examples.records import load_records
+from training_examples.train_log import packs_str
+from training_examples.trainer import causal_lm_step, report, to_device, train
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = example_utils.make_parser(__doc__, "dpo.jsonl", "preference triples", default_lr=1e-3, default_steps=20)
+    p = make_parser(__doc__, "dpo.jsonl", "preference triples", default_lr=1e-3, default_steps=20)
     p.add_argument("--prompt-field", default="prompt", help="field of the prompt (default: %(default)s)")
     p.add_argument("--chosen-field", default="chosen", help="field of the preferred answer (default: %(default)s)")
     p.add_argument("--rejected-field", default="rejected", help="field of the worse answer (default: %(default)s)")
@@ -69,22 +76,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="SFT steps on prompt+chosen before DPO, so that the reference is not a random model "
                         "(default: %(default)s; skipped on --resume)")
     args = p.parse_args(argv)
-    example_utils.check_args(p, args)
+    check_args(p, args)
     if args.max_length < 3:
         p.error("--max-length must be >= 3")
     return args
 
 
 def tokenize(example: Dict, tok, args) -> Dict[str, List[int]]:
-    return {"prompt_ids": example_utils.prompt_ids(tok, example[args.prompt_field], not args.no_chat_template),
-            "chosen_ids": example_utils.answer_ids(tok, example[args.chosen_field]),
-            "rejected_ids": example_utils.answer_ids(tok, example[args.rejected_field])}
+    return {"prompt_ids": prompt_ids(tok, example[args.prompt_field], not args.no_chat_template),
+            "chosen_ids": answer_ids(tok, example[args.chosen_field]),
+            "rejected_ids": answer_ids(tok, example[args.rejected_field])}
 
 
 def load_triples(args, tok) -> List[Dict[str, List[int]]]:
     fields = [args.prompt_field, args.chosen_field, args.rejected_field]
-    records = example_utils.load_records(args.data, fields, split=args.data_split, config=args.data_config,
-                                         max_samples=args.max_samples)
+    records = load_records(args.data, fields, split=args.data_split, config=args.data_config,
+                           max_samples=args.max_samples)
     return [tokenize(r, tok, args) for r in records]
 
 
@@ -92,108 +99,7 @@ def triple_len(t: Dict) -> int:
     return len(t["prompt_ids"]) + len(t["chosen_ids"]) + len(t["rejected_ids"])
 
 
-LOGPS_METHOD = "flashmask_response_logps"
-
-
-def response_logps(self, inputs: Dict[str, torch.Tensor], targets: torch.Tensor, valid: torch.Tensor,
-                   pair: torch.Tensor, num_pairs: int, chunk_size: int) -> torch.Tensor:
-    """``[2 * N]``: per triple, the summed log-probabilities of this rank's chosen (first N) and
-    rejected (last N) response tokens. The decoder once, the LM head only at the ``valid [2, B, L]`` tokens
-    (targets ``[2, B, L]``, triple ``pair [B, L]``), in chunks. Installed on the policy and the
-    reference as an FSDP2 forward method (:func:`flashmask.distributed.fsdp.install_forward_method`)."""
-    from flashmask.losses import linear_token_logps
-
-    hidden = self.get_decoder()(**inputs, use_cache=False).last_hidden_state
-    head = self.get_output_embeddings()
-    h = torch.cat([hidden[valid[0]], hidden[valid[1]]])
-    lp = linear_token_logps(h, head.weight, torch.cat([targets[0][valid[0]], targets[1][valid[1]]]),
-                            getattr(head, "bias", None), chunk_size=chunk_size)
-    idx = torch.cat([pair[valid[0]], pair[valid[1]] + num_pairs])
-    return lp.new_zeros(2 * num_pairs).index_add(0, idx, lp)  # flat: FSDP2 warns about returned views
-
-
-def logps_inputs(batch: Dict[str, torch.Tensor], args, par: example_utils.Parallel):
-    """``(inputs, targets, valid, pair, plan)`` for :func:`response_logps` from a collated batch:
-    this rank's tokens and the plan of its cp group (one process: the whole rows, plan ``None``).
-    Targets and ``valid`` are sharded as tokens; padding added by the sharding is never valid."""
-    from flashmask.data import IGNORE_INDEX, MASK_KEY
-
-    parts = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], MASK_KEY: batch[MASK_KEY],
-             "pair": batch["pair_index"]}
-    for side in ("chosen", "rejected"):
-        labels = batch[f"{side}_labels"]
-        parts[f"{side}_t"], parts[f"{side}_valid"] = labels.clamp_min(0), labels != IGNORE_INDEX
-    parts = example_utils.to_device(parts, args.device)
-    plan = None
-    if par.distributed:
-        parts, plan = example_utils.shard_batch(parts, args, par)
-    inputs = {k: parts[k] for k in ("input_ids", "position_ids", MASK_KEY) if k in parts}
-    targets = torch.stack([parts["chosen_t"], parts["rejected_t"]])
-    valid = torch.stack([parts["chosen_valid"], parts["rejected_valid"]])
-    return inputs, targets, valid, parts["pair"], plan
-
-
-def response_counts(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[2, N]``: the number of chosen and rejected tokens of every triple."""
-    from flashmask.data import IGNORE_INDEX
-
-    n = batch["pair_row"].shape[0]
-    rows = []
-    for key in ("chosen_labels", "rejected_labels"):
-        v = batch[key] != IGNORE_INDEX
-        rows.append(torch.zeros(n).index_add(0, batch["pair_index"][v], torch.ones(int(v.sum()))))
-    return torch.stack(rows)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a process group, differentiable: the gradient of every rank's input is the sum of
-    the ranks' output gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        import torch.distributed as dist
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def whole_rows(sums: torch.Tensor, par: example_utils.Parallel) -> torch.Tensor:
-    """``[2, N]`` sums over the whole rows: the ranks' parts summed over the cp group (differentiably)."""
-    if par.cp > 1:
-        sums = _AllReduceSum.apply(sums, par.group)
-    return sums.view(2, -1)
-
-
-def dpo_step(policy, reference, batch: Dict[str, torch.Tensor], args, par: example_utils.Parallel):
-    """Forward and backward of the DPO loss of a collated batch; returns ``(loss, margin [N])``
-    (the same on every rank of a cp group)."""
-    n = batch["pair_row"].shape[0]
-    inputs, targets, valid, pair, plan = logps_inputs(batch, args, par)
-    chunk = example_utils.chunk_size(args)
-    with example_utils.parallel_context(plan):  # forward and backward (checkpoint recompute)
-        with torch.no_grad():
-            ref = whole_rows(getattr(reference, LOGPS_METHOD)(inputs, targets, valid, pair, n, chunk), par)
-        pol = whole_rows(getattr(policy, LOGPS_METHOD)(inputs, targets, valid, pair, n, chunk), par)
-        if args.average_logps:
-            counts = response_counts(batch).to(pol.device).clamp_min(1)
-            pol, ref = pol / counts, ref / counts
-        margin = args.beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))
-        loss = -F.logsigmoid(margin).mean()
-        # every cp rank backpropagates the same loss and the all-reduce's backward sums them
-        (loss / par.cp).backward()
-    return loss.detach(), margin.detach()
-
-
-def warm_up(args, policy, tok, stream: example_utils.PackedStream, padding: str,
-            par: example_utils.Parallel) -> None:
+def warm_up(args, policy, tok, stream: PackedStream, padding: str, par: Parallel) -> None:
     """A short SFT on prompt + chosen (its own optimizer, thrown away afterwards)."""
     from flashmask.data import PackedSFTCollator
 
@@ -202,9 +108,9 @@ def warm_up(args, policy, tok, stream: example_utils.PackedStream, padding: str,
     doc = lambda t: {"input_ids": t["prompt_ids"] + t["chosen_ids"],  # noqa: E731
                      "completion_mask": [0] * len(t["prompt_ids"]) + [1] * len(t["chosen_ids"])}
     for step in range(1, args.sft_steps + 1):
-        _, rows = example_utils.next_rows(stream, args, par)
-        batch = example_utils.to_device(sft.collate_rows([[doc(t) for t in r] for r in rows]), args.device)
-        loss = example_utils.causal_lm_step(policy, batch, args, par)
+        _, rows = next_rows(stream, args, par)
+        batch = to_device(sft.collate_rows([[doc(t) for t in r] for r in rows]), args.device)
+        loss = causal_lm_step(policy, batch, args, par)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if par.main and (step % args.log_every == 0 or step == args.sft_steps):
@@ -219,8 +125,8 @@ def reference_model(args, policy, attn: str):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--resume: no reference model at {path} (written by the run that made the "
                                     "checkpoint)")
-        reference, _ = example_utils.load_pretrained(path, attn_implementation=attn, dtype=args.dtype,
-                                                     device=args.device, tokenizer=False)
+        reference, _ = load_pretrained(path, attn_implementation=attn, dtype=args.dtype, device=args.device,
+                                       tokenizer=False)
     else:
         reference = copy.deepcopy(policy)
     return reference.eval().requires_grad_(False)
@@ -235,51 +141,51 @@ def copy_weights(dst, src) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
-    """Run the example; returns ``example_utils.train``'s summary plus ``accuracy`` per step."""
-    return example_utils.run_parallel(parse_args(argv), run)
+    """Run the example; returns the summary of :func:`training_examples.trainer.train` plus ``accuracy``
+    per step."""
+    return run_parallel(parse_args(argv), run)
 
 
-def run(args, par: example_utils.Parallel) -> Dict:
+def run(args, par: Parallel) -> Dict:
     import flashmask.integrations.transformers as fm_hf
     from flashmask.data import ShareQuestionCollator
     from flashmask.distributed.fsdp import install_forward_method
 
     attn = fm_hf.ATTN_IMPLEMENTATION
-    policy, tok = example_utils.load_model_and_tokenizer(args, attn)
+    policy, tok = load_model_and_tokenizer(args, attn)
     reference = reference_model(args, policy, attn)
-    example_utils.prepare_model(policy, args, par)
-    example_utils.prepare_model(reference, args, par, train=False)
+    prepare_model(policy, args, par)
+    prepare_model(reference, args, par, train=False)
     for m in (policy, reference):
         install_forward_method(m, LOGPS_METHOD, response_logps)
     triples = load_triples(args, tok)
-    stream = example_utils.PackedStream(triples, triple_len, args.max_length, args.seed)
+    stream = PackedStream(triples, triple_len, args.max_length, args.seed)
     if par.main:
         print(f"dpo_packed: {args.model_desc} on {args.device}, attn_implementation="
-              f"{policy.config._attn_implementation} [{example_utils.backend_note(args.device, args.dtype)}], "
+              f"{policy.config._attn_implementation} [{backend_note(args.device, args.dtype)}], "
               f"{par.describe()}, {len(triples)} preference triples"
               f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
-              f"{example_utils.packs_str(args, par)}, beta={args.beta}", flush=True)
+              f"{packs_str(args, par)}, beta={args.beta}", flush=True)
     padding = "max_length" if args.device.type == "cuda" else "longest"
     if args.sft_steps > 0 and not args.resume:
         warm_up(args, policy, tok, stream, padding, par)
         copy_weights(reference, policy)
     if args.output_dir and not args.resume:
-        example_utils.save_pretrained(reference, os.path.join(args.output_dir, "reference"), par)
+        save_pretrained(reference, os.path.join(args.output_dir, "reference"), par)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)  # after sharding
     collate = ShareQuestionCollator(args.max_length, pad_token_id=tok.pad_token_id, padding=padding)
 
     def step(_):
-        rows_all, rows = example_utils.next_rows(stream, args, par)
+        rows_all, rows = next_rows(stream, args, par)
         loss, margin = dpo_step(policy, reference, collate.collate_rows(rows), args, par)
-        loss, acc, mean_margin = example_utils.dp_mean(
-            [loss, (margin > 0).float().mean(), margin.mean()], par, args.device)
+        loss, acc, mean_margin = dp_mean([loss, preference_accuracy(margin), margin.mean()], par, args.device)
         extras = {"accuracy": acc, "margin": mean_margin, "pairs": sum(len(r) for r in rows_all)}
         return torch.tensor(loss), sum(triple_len(t) for r in rows_all for t in r), extras
 
-    res = example_utils.train(args, "dpo_packed", policy, tok, opt, stream, step, describe=lambda e: (
+    res = train(args, "dpo_packed", policy, tok, opt, stream, step, describe=lambda e: (
         f"acc {e['accuracy']:.2f} | margin {e['margin']:+.4f} | {e['pairs']} pairs"), par=par)
     res["accuracy"] = [r["accuracy"] for r in res["history"]]
-    example_utils.report(res, par)
+    report(res, par)
     return res
 
 

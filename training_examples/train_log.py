@@ -1,4 +1,5 @@
-"""What a training run reports: smoothed tokens/s, peak memory, and the loss curve (CSV and PNG)."""
+"""What a training run reports: smoothed tokens/s, peak memory, the size of its packs, and the loss
+curve (CSV and PNG)."""
 from __future__ import annotations
 
 import collections
@@ -8,6 +9,8 @@ import resource
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from training_examples.parallel import Parallel, all_reduce
 
 
 class Throughput:
@@ -96,3 +99,25 @@ class LossLog:
         fig.tight_layout()
         fig.savefig(self.png_path, dpi=100)
         return self.png_path
+
+
+def peak_memory(device: torch.device, par: Parallel) -> str:
+    """Peak memory of this process (CUDA ``max_memory_allocated``, CPU peak RSS); with several
+    processes the maximum over the ranks (a collective: every rank calls it)."""
+    gib, what = peak_memory_gib(device)
+    if not par.distributed:
+        return f"{gib:.2f} GiB ({what})"
+    t = all_reduce(torch.tensor([gib], dtype=torch.float64, device=device), par, op="max")
+    return f"{float(t):.2f} GiB/{par.per_rank} ({what}, max over {par.world} ranks)"
+
+
+def packs_str(args, par: Parallel) -> str:
+    return (f"packs of {args.max_length} tokens x {args.batch_size}"
+            f"{' per data-parallel group' if par.dp > 1 else ''}")
+
+
+def rate_str(tokens_per_s: float, par: Parallel) -> str:
+    """Tokens/s; with several processes per rank (``tokens/s/GPU``, on the CPU ``tokens/s/process``) and in all."""
+    if not par.distributed:
+        return f"{tokens_per_s:,.0f} tokens/s"
+    return f"{tokens_per_s / par.world:,.0f} tokens/s/{par.per_rank} ({tokens_per_s:,.0f} in all)"

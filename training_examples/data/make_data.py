@@ -1,6 +1,6 @@
 """Write the small synthetic JSONL data sets the training examples use (deterministic).
 
-    python training_examples/data/make_data.py            # rewrites sft.jsonl and dpo.jsonl here
+    python -m training_examples.data.make_data            # rewrites sft.jsonl and dpo.jsonl here
 
 * ``sft.jsonl``: 200 ``{"instruction": ..., "response": ...}`` pairs: arithmetic, counting,
   word reversal, spelling out numbers, comparisons.

@@ -1,0 +1,186 @@
+"""The attention methods compared, behind one interface: :func:`prepare_method` returns a
+:class:`Prepared` whose ``attn(q, k, v)`` takes and returns ``[B, S, H, D]`` tensors."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from benchmarks import flex
+from benchmarks.dense_masks import dense_fit, dense_mask
+from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
+from benchmarks.flops import is_plain
+from benchmarks.tiles import bounds_bytes, fwd_tile
+from benchmarks.timing import sync
+
+METHODS = ("flashmask", "flex", "sdpa_dense", "sdpa_flash", "sdpa_cudnn")  # the default set
+# Opt-in methods (only when named in --methods): flashmask with deterministic=True, whose forward is
+# the default one, so it has backward rows only; flashmask forced onto its SM80 kernels (on a Hopper
+# GPU "flashmask" runs the SM90 ones where they exist); FlexAttention's FLASH backend
+# (FlashAttention-4 on CuTe-DSL, where the `flash-attn-4` package is installed).
+EXTRA_METHODS = ("flashmask_det", "flashmask_sm80", "flex_flash")
+ALL_METHODS = METHODS + EXTRA_METHODS
+METHOD_SKIP_MODES = {"flashmask_det": ("fwd",)}
+
+
+def method_modes(method: str, modes: Sequence[str]) -> List[str]:
+    """The modes of ``modes`` that ``method`` has rows for (``flashmask_det``: no ``fwd``, it is the
+    default forward)."""
+    skip = METHOD_SKIP_MODES.get(method, ())
+    return [m for m in modes if m not in skip]
+
+
+class Skip(Exception):
+    """A method that does not apply to a configuration. ``report=False``: leave no row for it."""
+
+    def __init__(self, message: str, report: bool = True):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class Problem:
+    startend: torch.Tensor
+    causal: bool
+    batch: int
+    heads: int
+    head_dim: int
+    seqlen: int
+    dtype: torch.dtype
+    device: torch.device
+    kv_heads: Optional[int] = None  # GQA: fewer key/value heads than query heads (None: as many)
+
+    @property
+    def gqa(self) -> bool:
+        return self.kv_heads is not None and self.kv_heads != self.heads
+
+
+@dataclass
+class Options:
+    flashmask_backend: str = "cuda"
+    flex_compile: bool = True
+    flex_block_mask: str = "auto"  # auto | eager | compile
+    dense_mem_fraction: float = 0.5
+    force_backward: bool = False
+
+
+@dataclass
+class Prepared:
+    attn: Callable  # (q, k, v) [B, S, H, D] -> out [B, S, H, D]
+    mask_bytes: Optional[int] = None  # the method's mask representation kept for the calls
+    build_ms: Optional[float] = None  # time to build that representation
+    notes: List[str] = field(default_factory=list)
+    no_backward: Optional[str] = None  # why backward is not timed (reported as n/a)
+    state: Dict[str, object] = field(default_factory=dict)  # tensors to drop when done
+
+
+def _bhsd(x):
+    return x.transpose(1, 2)
+
+
+def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
+    """Build what ``method`` needs for the mask of ``p`` and return its attention callable.
+
+    Raises :class:`Skip` when the method does not apply (e.g. flash/cuDNN SDPA with a mask other
+    than causal or none, a dense mask that does not fit).
+    """
+    sq = sk = p.seqlen
+    if method in ("flashmask", "flashmask_det", "flashmask_sm80"):
+        import flashmask
+        if opt.flashmask_backend == "cuda" and not flashmask.cuda.available():
+            raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
+        startend, causal, backend = p.startend, p.causal, opt.flashmask_backend
+        if method == "flashmask_sm80" and backend == "cuda":
+            backend = "sm80"
+        deterministic = method == "flashmask_det"
+
+        def attn(q, k, v):
+            return flashmask.flashmask_attention(q, k, v, startend, causal=causal, backend=backend,
+                                                 deterministic=deterministic)
+
+        _, bn = fwd_tile(p.head_dim)
+        prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn))
+        if backend in ("cuda", "sm80") and not flashmask.cuda.has_backward() and not opt.force_backward:
+            prep.no_backward = "n/a (no kernel)"
+        elif backend in ("cuda", "sm80") and not flashmask.cuda.has_backward():
+            prep.notes.append("bwd via reference path (no kernel)")
+        return prep
+
+    if method in ("flex", "flex_flash"):
+        hm = p.startend.shape[1]
+        mm = flex.FLEX_MASK_MODS.get(p.startend, p.causal, sq, p.heads)
+        bm_batch = None if p.startend.shape[0] == 1 else p.startend.shape[0]
+        bm_heads = None if hm == 1 else p.heads
+        sync(p.device)
+        t0 = time.perf_counter()
+        bm, how = flex.build_block_mask(mm, bm_batch, bm_heads, sq, sk, p.device, opt.flex_block_mask)
+        sync(p.device)
+        build_ms = (time.perf_counter() - t0) * 1e3
+        flex_attention = flex.compiled_flex_attention(opt.flex_compile)
+
+        gqa = p.gqa
+        options = {"BACKEND": "FLASH"} if method == "flex_flash" else None
+
+        def attn(q, k, v):
+            return _bhsd(flex_attention(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm, enable_gqa=gqa,
+                                        kernel_options=options))
+
+        prep = Prepared(attn, mask_bytes=flex.block_mask_bytes(bm), build_ms=build_ms, state={"bm": bm})
+        prep.notes.append(f"block mask {how} {build_ms:.0f} ms")
+        return prep
+
+    import torch.nn.functional as F
+    if method == "sdpa_dense":
+        hm = p.startend.shape[1]
+        if hm not in (1, p.heads):
+            raise Skip(f"dense mask with {hm} heads does not broadcast to {p.heads} heads")
+        fits, note = dense_fit(p.startend.shape[0], hm, sq, sk, p.dtype, p.device, opt.dense_mem_fraction)
+        if not fits:
+            raise Skip(note)
+        sync(p.device)
+        t0 = time.perf_counter()
+        dense = dense_mask(p.startend, p.causal, sq)
+        sync(p.device)
+        build_ms = (time.perf_counter() - t0) * 1e3
+
+        gqa = p.gqa
+
+        def attn(q, k, v):
+            return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), attn_mask=dense, enable_gqa=gqa))
+
+        return Prepared(attn, mask_bytes=dense.numel(), build_ms=build_ms, state={"dense": dense})
+
+    if method in ("sdpa_flash", "sdpa_cudnn"):
+        if not is_plain(p.startend, p.causal, sq):
+            raise Skip(f"{method} takes only causal or no mask", report=False)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = SDPBackend.FLASH_ATTENTION if method == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
+        causal, gqa = p.causal, p.gqa
+
+        def attn(q, k, v):
+            with sdpa_kernel(backend):
+                return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=causal,
+                                                            enable_gqa=gqa))
+
+        return Prepared(attn, mask_bytes=0)
+
+    raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+
+
+def release(prep: Optional[Prepared]) -> None:
+    if prep is not None:
+        prep.state.clear()
+        prep.attn = None
+
+
+def try_prepare(method: str, problem: Problem, opt: Options) -> Tuple[Optional[Prepared], Optional[dict]]:
+    """``(prepared, None)``, or ``(None, outcome)`` with outcome ``{"status", "notes", "fatal"}``;
+    status ``"skip"`` means: leave no row (the method does not apply and need not be listed)."""
+    try:
+        return prepare_method(method, problem, opt), None
+    except Skip as e:
+        return None, {"status": "n/a" if e.report else "skip", "notes": str(e), "fatal": False}
+    except Exception as e:
+        return None, {"status": status_of(e), "notes": f"setup: {format_error(e)}", "fatal": is_fatal_cuda_error(e)}

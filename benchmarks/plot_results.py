@@ -3,11 +3,10 @@ at one seqlen, a panel per (mode, head dim) with the ratio to FlexAttention over
 bar; with --per-family DIR also one chart per mask family (every seqlen and head dim of the CSVs,
 one panel per mode). Rows of later CSVs replace those of earlier ones.
 
-    python -m benchmarks.plot_results benchmarks/results_h100/kernels.csv docs/perf_h100.png \
-        --extra-csv benchmarks/results_h100/kernels_d64.csv --per-family docs/perf_h100
-    python -m benchmarks.plot_results benchmarks/results_h100/kernels_sm90_fwd_v18.csv docs/perf_h100_sm90.png \
-        --extra-csv benchmarks/results_h100/kernels_sm90_fwd_v20_d64.csv \
-        --extra-csv benchmarks/results_h100/kernels_sm90_bwd_v22.csv --panels fwd:128,fwd:64,bwd:128,bwd:64
+    python -m benchmarks.plot_results benchmarks/results/sm90_fwd_vs_flex_d128.csv docs/perf_h100_sm90.png \
+        --extra-csv benchmarks/results/sm90_fwd_vs_flex_d64.csv \
+        --extra-csv benchmarks/results/sm90_bwd_vs_flex_8k_32k.csv --panels fwd:128,fwd:64,bwd:128,bwd:64
+    python -m benchmarks.plot_results runs/kernels.csv runs/all.png --per-family runs/families
 """
 import argparse
 import csv

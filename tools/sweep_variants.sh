@@ -18,7 +18,7 @@
 #                                    to tell a change from the drift between quick runs
 #   BENCH_HEAD_DIMS=64               time only these head dims (default: HEAD_DIM)
 #   KV_HEADS=2                       time with that many key/value heads (GQA, 16 query heads)
-#   TESTS="tests/test_cuda_bwd.py"   run these tests in each variant before the timings
+#   TESTS="tests/gpu/test_bwd.py"   run these tests in each variant before the timings
 #   TEST_VARIANTS="a b"  BENCH_VARIANTS="a b"   test / time only these variants (default: every one)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
 #                                    worktree, e.g. `cd $V_main && bash tools/ncu_profile.sh $OUTDIR/ncu`

@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from benchmarks.common import tile_stats
+from benchmarks.tiles import tile_stats
 from masks import FAMILIES
 from masks.examples import example
 from masks.format import to_dense

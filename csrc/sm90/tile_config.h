@@ -59,7 +59,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
 }
 
 // Whether the forward's setmaxnreg split fits its CTA at this head dim (FwdTraits asserts it;
-// tests/test_tile_config.py checks it on the CPU).
+// tests/cpu/test_tile_config.py checks it on the CPU).
 constexpr bool fwd_registers_fit(int head_dim) {
     const FwdTile t = fwd_tile(head_dim);
     return setmaxnreg_fits(128 * (t.consumer_warpgroups + 1), t.producer_registers, 128 * t.consumer_warpgroups,

@@ -1,0 +1,1 @@
+"""Tests that run on any machine (the reference path, masks, integrations, examples, benchmarks on the CPU)."""

@@ -1,0 +1,655 @@
+"""Context-parallel attention (flashmask.distributed) on the CPU: gloo, 2 and 4 processes, reference path.
+
+Single-process unit tests check the interval slicing against the dense definition
+(``masks.to_dense`` of the global mask, row by row), the exact work counts, the balancer and
+the batch sharding. The multi-process tests spawn one group of processes per world size, run
+every case in it (one spawn, many cases: the start-up dominates) and compare each rank's output
+rows and its q/k/v gradient rows with one process's ``flashmask_attention`` on the whole sequence
+(float64: to 1e-10; bfloat16: to its rounding). Each case is reported as its own test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import masks
+from tests.attn_helpers import random_startend
+from flashmask import flashmask_attention
+from flashmask import distributed as fmd
+from flashmask.distributed.balance import balance_chunks
+from flashmask.distributed.intervals import block_pairs, slice_rows, visible_pairs
+from masks.examples import example
+from masks.format import to_dense
+
+MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
+
+
+# ------------------------------------------------------------------------------------------------
+# single process: interval slicing, work counts, balancer, batch helpers
+
+
+def _dense_rows(mask, causal, sq, sk, r0, r1):
+    """The global dense mask's rows [r0, r1), [B, Hm, n, Sk] (or [1, 1, n, Sk] without a mask)."""
+    return to_dense(mask, causal, seqlen_q=sq, seqlen_k=sk)[:, :, r0:r1]
+
+
+@pytest.mark.parametrize("causal,c", MODES + [(True, None), (False, None)])
+@pytest.mark.parametrize("sq,sk", [(24, 24), (16, 24), (24, 16)])
+def test_slice_rows_matches_dense_rows(causal, c, sq, sk):
+    g = torch.Generator().manual_seed(sq * 100 + sk + (c or 0) * 7 + causal)
+    mask = None if c is None else random_startend(2, 3, sq, sk, causal, c, generator=g)
+    for r0, r1 in [(0, sq), (0, 5), (5, 13), (sq - 7, sq), (7, 7), (3, 4)]:
+        local = slice_rows(mask, causal, r0, r1, seqlen_q=sq, seqlen_k=sk)
+        want = _dense_rows(mask, causal, sq, sk, r0, r1)
+        if local is None:
+            assert not causal and c is None
+            assert want.all()
+            continue
+        assert local.dtype == torch.int32 and local.shape[-1] in (2, 4)
+        assert int(local.min()) >= 0 and int(local.max()) <= r1 - r0, "values must lie in [0, n]"
+        got = to_dense(local, False, seqlen_q=r1 - r0, seqlen_k=sk)
+        assert torch.equal(got.expand_as(want), want), (r0, r1)
+        # exact work count
+        pairs = visible_pairs(local, r1 - r0, sk)
+        assert torch.equal(pairs, want.sum((-1, -2)).expand_as(pairs)), (r0, r1)
+
+
+def test_slice_rows_out_of_range_values_act_clamped():
+    # docs/format.md: values outside [0, Sq] act clamped, start > end is empty.
+    sq = sk = 12
+    raw = torch.tensor([[-3, 20], [5, 2], [13, 15], [0, 0], [4, 30]] + [[12, 12]] * 7, dtype=torch.int32)
+    mask = raw.view(1, 1, sk, 2)
+    clamped = mask.clamp(0, sq)
+    for r0, r1 in [(0, 12), (2, 9), (6, 12)]:
+        got = to_dense(slice_rows(mask, True, r0, r1, sq, sk), False, seqlen_q=r1 - r0)
+        want = _dense_rows(clamped, True, sq, sk, r0, r1)
+        assert torch.equal(got, want)
+
+
+def test_slice_rows_spec_example_and_errors():
+    m = masks.causal_document(10, [4, 3, 3])
+    local = slice_rows(m, True, 4, 7)
+    assert local[0, 0, :, 0].tolist() == [0, 0, 0, 0, 3, 3, 3, 3, 3, 3]
+    assert local[0, 0, :, 1].tolist() == [0, 0, 0, 0, 0, 1, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="r0 <= r1"):
+        slice_rows(m, True, 5, 3)
+    with pytest.raises(ValueError, match="seqlen_k is required"):
+        slice_rows(None, True, 0, 3)
+
+
+@pytest.mark.parametrize("family", sorted(masks.FAMILIES))
+def test_block_pairs_sum_to_the_dense_count(family):
+    mask, causal = example(family, 96)
+    bounds = [(0, 32), (32, 40), (40, 96)]
+    got = block_pairs(mask, causal, bounds)
+    dense = to_dense(mask, causal, seqlen_q=96)
+    want = torch.stack([dense[:, :, a:b].sum() for a, b in bounds])
+    assert torch.equal(got, want)
+
+
+def test_balancer_causal_is_exactly_even_with_zigzag_chunks():
+    for world in (2, 3, 4, 8):
+        b = balance_chunks(None, True, seqlen=world * 2 * 128, world=world, align=128)
+        assert b.num_chunks == 2 * world
+        assert b.imbalance == 1.0
+        assert sorted(c for a in b.assignment for c in a) == list(range(2 * world))
+        assert all(len(a) == 2 for a in b.assignment)
+        assert b.assignment == [[r, 2 * world - 1 - r] for r in range(world)]  # greedy finds the zigzag
+        contiguous = balance_chunks(None, True, seqlen=world * 2 * 128, world=world, align=128,
+                                    strategy="contiguous")
+        assert contiguous.imbalance > 1.3
+
+
+@pytest.mark.parametrize("family", ["causal", "causal_document", "document", "share_question", "prefix_lm_causal",
+                                    "causal_blockwise", "global_sliding_window", "random_eviction"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_balancer_work_per_rank_within_10_percent(family, world):
+    s = 8192
+    mask, causal = example(family, s)
+    b = balance_chunks(mask, causal, s, world, num_chunks=8 * world, align=128)
+    dense = to_dense(mask, causal, seqlen_q=s)
+    per_chunk = torch.stack([dense[:, :, c * b.chunk_size:(c + 1) * b.chunk_size].sum()
+                             for c in range(b.num_chunks)])
+    assert torch.equal(b.chunk_work, per_chunk), "the balancer's work counts must be exact"
+    assert torch.equal(b.work, torch.stack([per_chunk[a].sum() for a in b.assignment]))
+    assert all(len(a) == 8 for a in b.assignment), "equal tokens per rank"
+    assert b.imbalance <= 1.10, (b.work.tolist(), b.imbalance)
+    contiguous = balance_chunks(mask, causal, s, world, num_chunks=8 * world, align=128, strategy="contiguous")
+    assert b.imbalance <= contiguous.imbalance + 1e-12
+
+
+def test_balancer_default_chunking_refines_until_even():
+    s, world = 8192, 2
+    mask, causal = example("share_question", s)  # 2 chunks per rank: at best 8/7 (see below)
+    coarse = balance_chunks(mask, causal, s, world, num_chunks=2 * world)
+    assert coarse.imbalance > 1.1
+    auto = balance_chunks(mask, causal, s, world)
+    assert auto.num_chunks > 2 * world and auto.imbalance <= 1.02
+    # causal: 2 chunks per rank are already exact, so no finer chunking is taken
+    assert balance_chunks(None, True, s, world).num_chunks == 2 * world
+    # S too short for finer chunks: the finest it allows
+    assert balance_chunks(mask[:, :, :512], causal, 512, world).num_chunks == 2 * world
+
+
+def test_balancer_errors():
+    with pytest.raises(ValueError, match="multiple of"):
+        balance_chunks(None, True, 1000, 2, align=128)
+    with pytest.raises(ValueError, match="multiple of the world size"):
+        balance_chunks(None, True, 1024, 2, num_chunks=3, align=128)
+    with pytest.raises(ValueError, match="zigzag"):
+        balance_chunks(None, True, 2048, 2, num_chunks=8, align=128, strategy="zigzag")
+    with pytest.raises(ValueError, match="strategy"):
+        balance_chunks(None, True, 1024, 2, strategy="best")
+    with pytest.raises(ValueError, match="columns"):
+        balance_chunks(masks.causal(512), True, 1024, 2)
+
+
+def test_balance_indices_and_gather_order():
+    b = balance_chunks(masks.causal_document(64, [40, 24]), True, 64, 2, num_chunks=8, align=8)
+    idx = [b.indices(r) for r in range(2)]
+    assert sorted(torch.cat(idx).tolist()) == list(range(64))
+    assert torch.equal(b.gather_order(), torch.cat(idx))
+    for r in range(2):
+        assert len(idx[r]) == 32
+        assert torch.equal(idx[r], torch.cat([torch.arange(a, z) for a, z in b.bounds(r)]))
+
+
+def test_ulysses_heads_rule():
+    assert fmd.ulysses_heads(8, 8, 4) == 1
+    assert fmd.ulysses_heads(8, 2, 4) == 2   # 2 KV heads repeated twice for 4 ranks
+    assert fmd.ulysses_heads(14, 2, 2) == 1
+    assert fmd.ulysses_heads(8, 1, 8) == 8
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        fmd.ulysses_heads(14, 2, 4)
+    with pytest.raises(ValueError, match="multiple of the number of key/value"):
+        fmd.ulysses_heads(8, 3, 4)
+    for hk in (1, 2, 3, 4, 6, 12):  # the repeated KV heads split over the ranks and divide the query heads
+        for world in (1, 2, 3, 4, 6, 12):
+            r = fmd.ulysses_heads(12, hk, world)
+            assert (hk * r) % world == 0 and 12 % (hk * r) == 0
+
+
+def test_single_process_plans_equal_plain_attention():
+    # A world of one (no process group): both modes are plain attention.
+    torch.manual_seed(0)
+    mask, causal = example("share_question", 64)
+    q, k, v = (torch.randn(1, 64, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    want = flashmask_attention(q, k, v, mask, causal=causal)
+    for mode in fmd.MODES:
+        plan = fmd.make_plan(mask, causal, mode=mode, align=8)
+        assert plan.world == 1 and plan.local_len == 64
+        got = fmd.context_parallel_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
+        torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
+
+
+def test_shift_labels_and_padding():
+    ids = torch.arange(10).view(1, 10)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    batch = {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+    # world 1, align 4: padded to a multiple of 8 chunks per rank x 4 = 32
+    local, plan = fmd.shard_packed_batch(batch, mode="allgather_kv", align=4)
+    assert plan.seqlen == 32
+    assert local["input_ids"].tolist() == [list(range(10)) + [0] * 22]
+    assert local["shift_labels"].tolist() == [list(range(1, 10)) + [-100] * 23]
+    assert int(local["num_items_in_batch"]) == 9
+    assert local["position_ids"][0, 10:].tolist() == list(range(22))
+    # the padded mask: the real rows see exactly the causal documents, never a padding key
+    want = masks.causal_document(10, [4, 3, 3])
+    dense = to_dense(plan.startend_row_indices, True, seqlen_q=32)[0, 0]
+    assert torch.equal(dense[:10, :10], to_dense(want, True)[0, 0])
+    assert not dense[:10, 10:].any()
+    assert torch.equal(dense[10:, 10:], torch.ones(22, 22, dtype=torch.bool).tril())  # padding: causal among itself
+    local, plan = fmd.shard_packed_batch(batch, mode="allgather_kv", align=4, num_chunks=2)
+    assert plan.seqlen == 16
+
+
+@pytest.mark.parametrize("causal,c", MODES + [(False, None)])
+def test_pad_mask_hides_padding_from_real_rows(causal, c):
+    g = torch.Generator().manual_seed(3)
+    s, s_new = 12, 16
+    mask = None if c is None else random_startend(2, 2, s, s, causal, c, generator=g)
+    batch = {"input_ids": torch.zeros(2, s, dtype=torch.long), "attn_mask_startend_row_indices": mask}
+    padded = fmd.pad_packed_batch(batch, 8, causal=causal)["attn_mask_startend_row_indices"]
+    dense = to_dense(padded, causal, seqlen_q=s_new, seqlen_k=s_new)
+    assert not dense[:, :, :s, s:].any(), "a real row sees a padding key"
+    orig = to_dense(mask, causal, seqlen_q=s, seqlen_k=s)
+    assert torch.equal(dense[:, :, :s, :s], orig.expand_as(dense[:, :, :s, :s]))
+
+
+def test_document_mask_from_position_ids_rule():
+    # docs/format.md: a document starts wherever the position does not grow by exactly 1
+    pos = torch.tensor([[0, 1, 2, 5, 6, 0, 1, 1]])
+    m = fmd.document_mask_from_position_ids(pos, causal=True)
+    assert m[0, 0, :, 0].tolist() == [3, 3, 3, 5, 5, 7, 7, 8]
+    m = fmd.document_mask_from_position_ids(pos, causal=False)
+    assert m[0, 0, :, 1].tolist() == [0, 0, 0, 3, 3, 5, 5, 7]
+
+
+@pytest.mark.parametrize("mod", ["flashmask.distributed.intervals", "flashmask.distributed.balance",
+                                 "flashmask.distributed.sharding", "flashmask.losses"])
+def test_docstring_examples(mod):
+    import doctest
+    import importlib
+    res = doctest.testmod(importlib.import_module(mod), optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0 and res.failed == 0
+
+
+def test_shard_rejects_padding_attention_mask():
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}
+    with pytest.raises(NotImplementedError, match="padding"):
+        fmd.shard_packed_batch(batch, mode="ulysses")
+
+
+# ------------------------------------------------------------------------------------------------
+# multi-process: gloo, reference path, compared with one process
+
+
+def _case_list(world):
+    """(name, spec) of the attention cases run in one spawn of ``world`` processes."""
+    cases = []
+    fams = ["causal", "full", "causal_document", "document", "share_question", "global_sliding_window",
+            "causal_blockwise", "prefix_lm_document", "qk_sparse", "sliding_window", "random_eviction"]
+    if world > 2:
+        fams = ["causal_document", "share_question", "global_sliding_window"]
+    for mode in ("allgather_kv", "ulysses"):
+        for fam in fams:
+            cases.append((f"{mode}-{fam}", dict(mode=mode, family=fam, hq=4, hk=2, hm=1, b=1)))
+        for causal, c in MODES:
+            for hm_kind in (("1", "hk", "hq") if world == 2 else ("hq",)):
+                cases.append((f"{mode}-random-causal{int(causal)}-C{c}-hm_{hm_kind}",
+                              dict(mode=mode, family="random", causal=causal, c=c, hq=4, hk=2, hm=hm_kind, b=2)))
+        cases.append((f"{mode}-mha-causal_document", dict(mode=mode, family="causal_document", hq=4, hk=4, hm=1, b=1)))
+        cases.append((f"{mode}-mqa-share_question", dict(mode=mode, family="share_question", hq=4, hk=1, hm=1, b=1)))
+        cases.append((f"{mode}-bf16-causal_document", dict(mode=mode, family="causal_document", hq=4, hk=2, hm=1, b=1,
+                                                          dtype="bfloat16")))
+    if world == 2:
+        # Ulysses repeating 3 KV heads (and their mask heads) to 6 for 2 ranks
+        cases.append(("ulysses-gqa-replicate-hm_hk", dict(mode="ulysses", family="random", causal=True, c=2, hq=6,
+                                                          hk=3, hm="hk", b=1)))
+        for nc, strat in ((8, "greedy"), (4, "contiguous"), (4, "zigzag")):
+            cases.append((f"allgather_kv-chunks{nc}-{strat}", dict(mode="allgather_kv", family="causal_document", hq=4,
+                                                                  hk=2, hm=1, b=1, num_chunks=nc, strategy=strat)))
+        cases.append(("allgather_kv-head_groups1", dict(mode="allgather_kv", family="random", causal=False, c=4, hq=4,
+                                                        hk=2, hm="hq", b=2, head_groups=1)))
+        cases.append(("allgather_kv-hk3-groups3", dict(mode="allgather_kv", family="random", causal=True, c=1, hq=6,
+                                                       hk=3, hm="hk", b=1, head_groups=4)))
+    return cases
+
+
+def _errors_case(world):
+    """Bad inputs raise clear errors on every rank (before any collective)."""
+    q = torch.randn(1, 16, 3, 8)
+    kv = torch.randn(1, 16, 3, 8)
+    try:
+        fmd.ulysses_attention(q, kv, kv, None, causal=True)
+        raise AssertionError("Ulysses with 3 heads over 2 ranks must raise")
+    except ValueError as e:
+        assert "multiple of the group size" in str(e), e
+    try:
+        fmd.make_plan(None, True, 1001, mode="ulysses")
+        raise AssertionError("S=1001 over 2 ranks must raise")
+    except ValueError as e:
+        assert "multiple of the group size" in str(e), e
+    plan = fmd.make_plan(None, True, 64, mode="allgather_kv", align=8)
+    try:
+        n = 64 // world + 8
+        fmd.allgather_kv_attention(torch.randn(1, n, 4, 8), torch.randn(1, n, 2, 8), torch.randn(1, n, 2, 8), plan)
+        raise AssertionError("a wrong local length must raise")
+    except ValueError as e:
+        assert f"the plan gives {64 // world}" in str(e), e
+
+
+def _comm_fallback_case(world, rank):
+    """A process group whose tensor collectives raise "not supported" (as older gloo builds did
+    for reduce_scatter): the list all-gather and all-reduce + slice fallbacks give the same result."""
+    from flashmask.distributed import _comm
+
+    def unsupported(*a, **k):
+        raise RuntimeError("this op is not supported by the backend")
+
+    saved = (_comm._all_gather_op, _comm._reduce_scatter_op, set(_comm._unsupported))
+    _comm._all_gather_op = _comm._reduce_scatter_op = unsupported
+    try:
+        spec = dict(mode="allgather_kv", family="random", causal=True, c=2, hq=4, hk=2, hm="hq", b=2)
+        _run_case(spec, world, rank, seed=77)
+        assert ("all_gather", "gloo") in _comm._unsupported and ("reduce_scatter", "gloo") in _comm._unsupported
+    finally:
+        _comm._all_gather_op, _comm._reduce_scatter_op = saved[0], saved[1]
+        _comm._unsupported.clear()
+        _comm._unsupported.update(saved[2])
+
+
+def _inputs(spec, s, seed):
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.get("dtype", "float64"))
+    b, hq, hk, d = spec["b"], spec["hq"], spec["hk"], 8
+    if spec["family"] == "random":
+        causal, c = spec["causal"], spec["c"]
+        hm = {"1": 1, "hk": hk, "hq": hq}[spec["hm"]] if isinstance(spec["hm"], str) else spec["hm"]
+        mask = random_startend(b, hm, s, s, causal, c, generator=g)
+    else:
+        mask, causal = example(spec["family"], s, batch_size=b)
+        if spec["family"] in ("causal", "full"):
+            mask = None  # the mask-free paths
+    mk = lambda h: torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
+    q, k, v, w = mk(hq), mk(hk), mk(hk), mk(hq)
+    return q, k, v, w, mask, causal
+
+
+def _run_case(spec, world, rank, seed):
+    s = 64
+    q, k, v, w, mask, causal = _inputs(spec, s, seed)
+    # one process, whole sequence
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = flashmask_attention(qr, kr, vr, mask, causal=causal, backend="reference")
+    (ref.double() * w.double()).sum().backward()
+    # context parallel
+    plan = fmd.make_plan(mask, causal, s, mode=spec["mode"], num_chunks=spec.get("num_chunks"), align=8,
+                         strategy=spec.get("strategy", "greedy"))
+    ql, kl, vl = (plan.shard(t).clone().requires_grad_() for t in (q, k, v))
+    out = fmd.context_parallel_attention(ql, kl, vl, plan, backend="reference", head_groups=spec.get("head_groups", 2))
+    (out.double() * plan.shard(w).double()).sum().backward()
+    if q.dtype == torch.float64:
+        tol = dict(rtol=1e-10, atol=1e-10)
+    else:  # one rounding to bf16 apart (the gathered keys are summed in another order)
+        tol = dict(rtol=2e-2, atol=2e-2)
+    assert out.shape == (q.shape[0], s // world, q.shape[2], q.shape[3])
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, plan.shard(ref.detach()), **tol)
+    for name, got, want in (("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad), ("dv", vl.grad, vr.grad)):
+        assert got is not None, name
+        torch.testing.assert_close(got, plan.shard(want), **tol, msg=lambda m: f"{name}: {m}")
+    # the plan's unshard puts the rows back in global order
+    torch.testing.assert_close(plan.unshard(out.detach()), ref.detach(), **tol)
+    if plan.mode == "allgather_kv":
+        assert plan.imbalance >= 1.0
+
+
+def _sharding_case(world, rank):
+    s = 40
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 100, (2, s), generator=g)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, s)
+    labels = ids.clone()
+    labels[:, 0] = -100
+    for mode in fmd.MODES:
+        local, plan = fmd.shard_packed_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, mode=mode,
+                                             align=4)
+        s_new = plan.seqlen
+        assert s_new % (world if mode == "ulysses" else 8 * world * 4) == 0 and s_new >= s
+        full_ids = torch.nn.functional.pad(ids, (0, s_new - s))
+        full_tgt = torch.nn.functional.pad(torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100),
+                                           (0, s_new - s), value=-100)
+        idx = plan.local_index
+        assert torch.equal(local["input_ids"], full_ids[:, idx])
+        assert torch.equal(local["shift_labels"], full_tgt[:, idx]), "labels must be shifted before sharding"
+        assert int(local["num_items_in_batch"]) == int((labels[:, 1:] != -100).sum())
+        # every token is on exactly one rank
+        gathered = plan.unshard(local["input_ids"])
+        assert torch.equal(gathered, full_ids)
+        assert "labels" not in local and "attn_mask_startend_row_indices" not in local
+
+
+def _run_cases(rank, world, init_file, outdir, names, run_one):
+    """One process of a gloo group: ``run_one(i, name)`` for each case, recording "ok" or the
+    traceback per case in ``outdir/rank{rank}.json`` (a failing case does not stop the others)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for i, name in enumerate(names):
+            try:
+                run_one(i, name)
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _spawn_cases(worker, world, names, d):
+    """``worker`` in ``world`` processes; {case: [the failure of each rank where it failed]}."""
+    mp.spawn(worker, args=(world, str(d / "init"), str(d), names), nprocs=world, join=True)
+    out = {}
+    for r in range(world):
+        with open(d / f"rank{r}.json") as f:
+            for name, res in json.load(f).items():
+                out.setdefault(name, [])
+                if res != "ok":
+                    out[name].append(f"rank {r}: {res}")
+    return out
+
+
+def _worker(rank, world, init_file, outdir, names):
+    cases = dict(_case_list(world))
+
+    def run_one(i, name):
+        if name == "errors":
+            _errors_case(world)
+        elif name == "comm-fallbacks":
+            _comm_fallback_case(world, rank)
+        elif name == "sharding":
+            _sharding_case(world, rank)
+        else:
+            _run_case(cases[name], world, rank, seed=1000 + i)
+
+    _run_cases(rank, world, init_file, outdir, names, run_one)
+
+
+def _spawn(world, names, tmp_path_factory):
+    return _spawn_cases(_worker, world, names, tmp_path_factory.mktemp(f"cp{world}"))
+
+
+_NAMES = {w: [n for n, _ in _case_list(w)] + ["errors", "sharding", "comm-fallbacks"] for w in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _spawn(2, _NAMES[2], tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _spawn(4, _NAMES[4], tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", _NAMES[2])
+def test_two_processes(world2, name):
+    assert name in world2, f"case {name} did not run"
+    assert not world2[name], "\n".join(world2[name])
+
+
+@pytest.mark.parametrize("name", _NAMES[4])
+def test_four_processes(world4, name):
+    assert name in world4, f"case {name} did not run"
+    assert not world4[name], "\n".join(world4[name])
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers + FSDP2 on a (dp=1, cp=2) DeviceMesh, gloo: loss and gradients equal one process's
+
+
+def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0):
+    import transformers
+
+    import flashmask.distributed.hf as cp_hf
+    import flashmask.integrations.transformers as fm_hf
+    from flashmask.checkpointing import chunk_mlp, enable_activation_checkpointing
+    from flashmask.distributed import fsdp as fm_fsdp
+    from flashmask.losses import causal_lm_loss
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                                   attention_dropout=0.0, tie_word_embeddings=True)
+
+    def build():
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
+        return m.train()
+
+    g = torch.Generator().manual_seed(5)
+    s = 60
+    ids = torch.randint(0, 64, (1, s), generator=g)
+    pos = torch.cat([torch.arange(25), torch.arange(20), torch.arange(15)]).view(1, s)
+    labels = ids.clone()
+    labels[0, [0, 25, 45]] = -100  # as the collator: no label on a document's first token
+
+    ref = build()
+    hidden = ref.model(input_ids=ids, position_ids=pos).last_hidden_state
+    ref_loss = causal_lm_loss(hidden, ref.lm_head, labels, chunk_size=7)
+    hf_loss = ref(input_ids=ids, position_ids=pos, labels=labels).loss  # transformers upcasts to float32
+    torch.testing.assert_close(ref_loss, hf_loss.double(), rtol=1e-6, atol=1e-6)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    model = build()
+    cp_hf.use_context_parallel(model)
+    if ckpt:
+        enable_activation_checkpointing(model, offload=True, min_bytes=0)
+    rows = []  # tokens per call of the MLPs (the local shard, in chunks)
+    if mlp_chunk:
+        chunk_mlp(model, mlp_chunk)
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.register_forward_hook(lambda m, i, o: rows.append(i[0].numel() // i[0].shape[-1]))
+    mesh = fm_fsdp.init_mesh(1, 2, device_type="cpu")
+    if fsdp:
+        fm_fsdp.apply_fsdp2(model, mesh)
+    local, plan = fmd.shard_packed_batch({"input_ids": ids, "position_ids": pos, "labels": labels},
+                                         group=fm_fsdp.cp_group(mesh), mode=mode, align=4)
+    assert local["input_ids"].shape[1] == plan.seqlen // 2
+    with cp_hf.context_parallel(plan):
+        loss = fm_fsdp.lm_loss(model, local, chunk_size=7)
+        loss.backward()
+    if not fsdp:  # a replicated model: the ranks' partial gradients are summed by hand
+        fm_fsdp.sum_gradients(model, fm_fsdp.cp_group(mesh))
+    total = fm_fsdp.reduce_loss(loss, mesh)
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-10, atol=1e-10)
+    for n, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, ref_grads[n], rtol=1e-8, atol=1e-10, msg=lambda m: f"{n}: {m}")
+    if mlp_chunk:
+        assert max(rows) == mlp_chunk and local["input_ids"].shape[1] % mlp_chunk, rows  # chunks of the shard
+    # the backend refuses to run without a plan
+    try:
+        with torch.no_grad():
+            fm_fsdp.lm_loss(model, local)
+        raise AssertionError("fm_cp without a plan must raise")
+    except RuntimeError as e:
+        assert "context-parallel plan" in str(e), e
+
+
+def _hf_dpo_case(mode, rank):
+    """A share-question row (prompt | chosen | rejected) under CP: per-token log-probabilities of
+    the local tokens, span sums all-reduced (differentiable) over the group, a DPO-style loss that
+    every rank computes alike and backpropagates divided by the group size. Equal to one process."""
+    import torch.nn.functional as F
+    import transformers
+    from torch.distributed.nn.functional import all_reduce
+
+    import flashmask.distributed.hf as cp_hf
+    import flashmask.integrations.transformers as fm_hf
+    from flashmask.distributed import fsdp as fm_fsdp
+    from flashmask.losses import linear_token_logps
+
+    cfg = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                                   attention_dropout=0.0, tie_word_embeddings=True)
+
+    def build():
+        torch.manual_seed(1)
+        return transformers.Qwen2ForCausalLM._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
+
+    g = torch.Generator().manual_seed(9)
+    p_len, c_len, r_len = 20, 14, 10
+    s = p_len + c_len + r_len
+    ids = torch.randint(0, 64, (1, s), generator=g)
+    pos = torch.cat([torch.arange(p_len + c_len), torch.arange(p_len, p_len + r_len)]).view(1, s)
+    mask = masks.share_question(s, [[p_len, c_len, r_len]])
+    labels = ids.clone()
+    labels[0, :p_len] = -100
+    tgt = F.pad(labels[:, 1:], (0, 1), value=-100)
+    chosen = torch.zeros(1, s, dtype=torch.float64)
+    chosen[0, p_len:p_len + c_len - 1] = 1
+    rejected = torch.zeros(1, s, dtype=torch.float64)
+    rejected[0, p_len + c_len:s - 1] = 1
+
+    def dpo(c, r):
+        return -F.logsigmoid(0.1 * (c - r)).mean()
+
+    ref = build().train()
+    hidden = ref.model(input_ids=ids, position_ids=pos, attn_mask_startend_row_indices=mask).last_hidden_state
+    lp = linear_token_logps(hidden, ref.lm_head.weight, tgt, chunk_size=5)
+    ref_loss = dpo((lp * chosen).sum(-1), (lp * rejected).sum(-1))
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    model = build().train()
+    cp_hf.use_context_parallel(model)
+    mesh = fm_fsdp.init_mesh(1, 2, device_type="cpu")
+    fm_fsdp.apply_fsdp2(model, mesh)
+
+    def token_logps(self, input_ids, position_ids, shift_labels):
+        h = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return linear_token_logps(h, self.get_output_embeddings().weight, shift_labels, chunk_size=5)
+
+    fm_fsdp.install_forward_method(model, "token_logps", token_logps)
+    group = fm_fsdp.cp_group(mesh)
+    local, plan = fmd.shard_packed_batch({"input_ids": ids, "position_ids": pos, "labels": labels,
+                                          "attn_mask_startend_row_indices": mask, "chosen": chosen,
+                                          "rejected": rejected}, group=group, mode=mode, align=4)
+    with cp_hf.context_parallel(plan):
+        lp = model.token_logps(local["input_ids"], local["position_ids"], local["shift_labels"])
+        sums = all_reduce(torch.stack([(lp * local["chosen"]).sum(-1), (lp * local["rejected"]).sum(-1)]),
+                          group=group)
+        loss = dpo(sums[0], sums[1])
+        (loss / plan.world).backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-10, atol=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[n], rtol=1e-8, atol=1e-10,
+                                   msg=lambda m: f"{n}: {m}")
+
+
+_HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv-offloaded-checkpoints",
+             "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv",
+             "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp"]
+
+
+def _hf_worker(rank, world, init_file, outdir, names):
+    def run_one(_, name):
+        mode = "ulysses" if "ulysses" in name else "allgather_kv"
+        if "dpo" in name:
+            _hf_dpo_case(mode, rank)
+        else:
+            _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
+                     mlp_chunk=7 if "chunked-mlp" in name else 0)
+
+    _run_cases(rank, world, init_file, outdir, names, run_one)
+
+
+@pytest.fixture(scope="module")
+def hf_world2(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return _spawn_cases(_hf_worker, 2, _HF_NAMES, tmp_path_factory.mktemp("cp_hf"))
+
+
+@pytest.mark.parametrize("name", _HF_NAMES)
+def test_transformers_fsdp2_context_parallel(hf_world2, name):
+    assert name in hf_world2, f"case {name} did not run"
+    assert not hf_world2[name], "\n".join(hf_world2[name])
+
+
+@pytest.mark.parametrize("cu, match", [([0, 8, 20], "stops before"), ([0, 8, 40], "runs past"),
+                                       ([4, 8, 32], "must start at 0"), ([0, 20, 8, 32], "non-decreasing")])
+def test_shard_checks_cu_seq_lens(cu, match):
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "cu_seq_lens_q": torch.tensor(cu)}
+    with pytest.raises(ValueError, match=f"cu_seq_lens_q .*{match}"):
+        fmd.shard_packed_batch(batch, mode="ulysses")

@@ -1,0 +1,163 @@
+"""The transformers backend on a GPU in bfloat16, with the CUDA kernels when they are built.
+
+Same equivalences as tests/cpu/test_integrations_transformers.py (a packed batch = each document
+alone; shared-sequence DPO log-probs = separate sequences), plus the gradients of a packed SFT
+loss. Tolerance as in attn_helpers.assert_close_to_reference: against a float32 oracle (the same
+bf16-rounded weights, each sequence alone with sdpa), the error of the packed flashmask run must
+stay within twice the error of plain bf16 sdpa on the separate sequences, plus a small epsilon.
+"""
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+transformers = pytest.importorskip("transformers")
+
+import flashmask  # noqa: E402
+import flashmask.integrations.transformers as fm_hf  # noqa: E402
+from flashmask.data import (PackedSFTCollator, ShareQuestionCollator, model_inputs,  # noqa: E402
+                            pack_sequences, shared_sequence_logps)
+
+NAME = fm_hf.ATTN_IMPLEMENTATION
+VOCAB = 512
+
+
+def set_impl(model, name):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+    return model
+
+
+def head_dim():
+    dims = flashmask.cuda.compiled_head_dims() if flashmask.cuda.available() else ()
+    return 128 if (not dims or 128 in dims) else max(dims)
+
+
+def models(kind, seed=0):
+    """(bf16 model on the flashmask backend, fp32 copy of the same bf16-rounded weights)."""
+    d = head_dim()
+    cfgkw = dict(hidden_size=4 * d, intermediate_size=8 * d, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=d, vocab_size=VOCAB, max_position_embeddings=8192)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    torch.manual_seed(seed)
+    m16 = cls[1]._from_config(cls[0](**cfgkw), attn_implementation=NAME).to("cuda", torch.bfloat16).eval()
+    m32 = set_impl(copy.deepcopy(m16).float(), "sdpa")
+    return m16, m32
+
+
+class KernelSpy:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = flashmask.attention._cuda.attention
+
+        def attention(*a, **k):
+            self.calls += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(flashmask.attention._cuda, "attention", attention)
+
+
+def check_close(got, want32, base16, what):
+    e_got = (got.float() - want32).abs()
+    e_base = (base16.float() - want32).abs()
+    assert torch.isfinite(got).all(), what
+    assert e_got.max() <= 2 * e_base.max() + 1e-2, (what, float(e_got.max()), float(e_base.max()))
+    assert e_got.mean() <= 2 * e_base.mean() + 1e-3, (what, float(e_got.mean()), float(e_base.mean()))
+
+
+def docs_for(seed, n, lo, hi):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def alone(model, seqs, name):
+    set_impl(model, name)
+    with torch.no_grad():
+        return [model(input_ids=s[None].cuda(), use_cache=False).logits[0].float() for s in seqs]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_batch_bf16_matches_documents_alone(kind, monkeypatch):
+    spy = KernelSpy(monkeypatch)
+    m16, m32 = models(kind)
+    docs = docs_for(1, 10, 30, 700)
+    b = PackedSFTCollator(2048, padding="max_length")([{"input_ids": d} for d in docs])
+    with torch.no_grad():
+        got = m16(**model_inputs(b, "cuda"), use_cache=False).logits
+    want = alone(m32, docs, "sdpa")
+    base = alone(m16, docs, "sdpa")
+    set_impl(m16, NAME)
+    rows = pack_sequences([len(d) for d in docs], 2048)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            n = len(docs[i])
+            check_close(got[r, col:col + n], want[i], base[i], f"doc {i}")
+            col += n
+    if flashmask.cuda.available():
+        assert spy.calls == 2  # the kernels ran, once per layer
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_dpo_bf16_logps_equal_separate_sequences(kind):
+    m16, m32 = models(kind, seed=1)
+    g = torch.Generator().manual_seed(2)
+    triples = [{k: torch.randint(0, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g)
+                for k, lo, hi in (("prompt_ids", 50, 400), ("chosen_ids", 20, 300), ("rejected_ids", 20, 300))}
+               for _ in range(8)]
+    b = ShareQuestionCollator(2048, padding="max_length")(triples)
+    with torch.no_grad():
+        ch, rj = shared_sequence_logps(m16(**model_inputs(b, "cuda"), use_cache=False).logits, b)
+
+    def separate(model, name):
+        out = []
+        for k in range(len(triples)):
+            row = int(b["pair_row"][k])
+            (p0, p1), (c0, c1), (r0, r1) = (b[f"{w}_spans"][k].tolist() for w in ("prompt", "chosen", "rejected"))
+            ids = b["input_ids"][row]
+            res = []
+            for s0, s1 in ((c0, c1), (r0, r1)):
+                seq = torch.cat([ids[p0:p1], ids[s0:s1]])
+                lp = alone(model, [seq], name)[0].log_softmax(-1)
+                tgt = seq[p1 - p0:].cuda()
+                res.append(lp[p1 - p0 - 1:-1].gather(-1, tgt[:, None]).sum())
+            out.append(torch.stack(res))
+        return torch.stack(out)
+
+    want, base = separate(m32, "sdpa"), separate(m16, "sdpa")
+    set_impl(m16, NAME)
+    got = torch.stack([ch, rj], 1)
+    e_got, e_base = (got - want).abs(), (base - want).abs()
+    assert torch.isfinite(got).all()
+    assert e_got.max() <= 2 * e_base.max() + 0.05, (e_got, e_base)
+
+
+@pytest.mark.parametrize("kind", ["llama"])
+def test_packed_sft_bf16_gradients_match_separate_documents(kind):
+    m16, m32 = models(kind, seed=3)
+    docs = docs_for(4, 6, 50, 600)
+    b = {k: v.cuda() for k, v in PackedSFTCollator(2048)([{"input_ids": d} for d in docs]).items()}
+    n_targets = sum(len(d) - 1 for d in docs)
+
+    def grads(model, packed):
+        model.zero_grad()
+        if packed:
+            model(**b, use_cache=False).loss.float().backward()
+        else:
+            for d in docs:
+                x = d[None].cuda()
+                (model(input_ids=x, labels=x, use_cache=False).loss.float() * (len(d) - 1) / n_targets).backward()
+        return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    got = grads(m16, True)
+    set_impl(m16, "sdpa")
+    base = grads(m16, False)
+    set_impl(m16, NAME)
+    want = grads(m32, False)
+    rel = lambda x: float((x - want).norm() / want.norm())  # noqa: E731
+    assert torch.isfinite(got).all()
+    assert rel(got) <= 2 * rel(base) + 1e-3, (rel(got), rel(base))

@@ -1,0 +1,1 @@
+"""Tests across two or more GPUs (NCCL); they skip cleanly with fewer."""

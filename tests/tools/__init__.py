@@ -1,0 +1,1 @@
+"""Tests of the development tools in tools/ (no GPU needed)."""

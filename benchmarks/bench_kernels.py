@@ -68,8 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for kernels.csv / kernels.json (and plots/); default benchmarks/results/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
     add_timing_args(p)
-    p.add_argument("--force", action="store_true",
-                   help="time flashmask backward even without a backward kernel (slow reference path)")
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
                    help="create_block_mask eagerly (dense SxS temporaries) or through torch.compile; "
                         "auto: eager when 8*S^2 bytes fit in half the free memory")
@@ -211,24 +209,17 @@ def _progress(i, total, r):
 
 def run(args) -> list:
     from masks.examples import example
-    import flashmask
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     configure_dynamo(retain_graph="bwd" in args.modes)
     opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
-                          flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction,
-                          force_backward=args.force)
+                          flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction)
     meta = {"script": "bench_kernels", "args": {k: v for k, v in vars(args).items()},
             "env": environment(device), "flop_convention": "fwd=4*B*H*D*pairs, bwd=2.5x, fwd+bwd=3.5x"}
     env = meta["env"]
     print(f"device {env.get('gpu', device)} | torch {env['torch']} | triton {env['triton']} | flashmask kernels "
-          f"{env.get('flashmask_kernels')} (backward kernel: {env.get('flashmask_backward_kernel')})", flush=True)
-    if not flashmask.cuda.has_backward() and any(m != "fwd" for m in args.modes) \
-            and any(m.startswith("flashmask") for m in args.methods):
-        print("note: no flashmask backward kernel: flashmask bwd rows are n/a"
-              + (" (timed on the reference path: --force)" if args.force else " (use --force to time the reference path)"),
-              flush=True)
+          f"{env.get('flashmask_kernels')}", flush=True)
 
     rows: list = []
     configs = [(f, s, d) for f in args.families for s in args.seqlens for d in args.head_dims]

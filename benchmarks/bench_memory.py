@@ -62,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of methods")
     p.add_argument("--out", default=None, help="folder for memory.csv / memory.json; default benchmarks/results/memory")
-    p.add_argument("--force", action="store_true", help="measure flashmask backward even without a backward kernel")
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
                    help="how to run create_block_mask (auto: eager when 8*S^2 bytes fit in half the free memory)")
     p.add_argument("--dense-mem-fraction", type=float, default=0.5,
@@ -114,12 +113,11 @@ def run(args) -> list:
     d = args.head_dim
     configure_dynamo()
     opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
-                          flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction,
-                          force_backward=args.force)
+                          flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction)
     meta = {"script": "bench_memory", "args": vars(args), "env": environment(device)}
     env = meta["env"]
-    print(f"device {env.get('gpu', device)} | torch {env['torch']} | flashmask backward kernel "
-          f"{env.get('flashmask_backward_kernel')}", flush=True)
+    print(f"device {env.get('gpu', device)} | torch {env['torch']} | flashmask kernels "
+          f"{env.get('flashmask_kernels')}", flush=True)
     rows, rep_rows = [], []
     fatal = None
     t_start = time.perf_counter()
@@ -174,9 +172,6 @@ def run(args) -> list:
                     notes.extend(n for n in prep.notes if n)
                     status = "ok"
                     for mode in MEASURED:
-                        if mode != "fwd" and prep.no_backward:
-                            notes.append(f"fwd+bwd {prep.no_backward}")
-                            continue
                         try:
                             row[f"{mode}_peak_bytes"] = call_peak(prep, mode, tensors, device)
                         except Exception as e:

@@ -46,14 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--modes", default="auto",
-                   help="comma list of fwd, bwd, fwdbwd; auto: fwd, plus fwdbwd when flashmask has a backward kernel")
+                   help="comma list of fwd, bwd, fwdbwd; default: fwd,fwdbwd")
     p.add_argument("--methods", default="flashmask", help="comma list of flashmask, flex")
     p.add_argument("--tile", default=None,
                    help="forward tile BMxBN for the tile density (default: the kernel's for the head dim, e.g. 128x64)")
     p.add_argument("--out", default=None, help="folder for scaling.csv / scaling.json; default benchmarks/results/scaling")
     p.add_argument("--plot", action="store_true", help="write OUT/scaling.png (ms and ms/density vs documents)")
     add_timing_args(p)
-    p.add_argument("--force", action="store_true", help="time flashmask backward even without a backward kernel")
     p.add_argument("--seed", type=int, default=0)
     add_testing_args(p)
     return p
@@ -110,7 +109,6 @@ def plot(rows, path: str) -> None:
 
 
 def run(args) -> list:
-    import flashmask
     import masks
 
     device = torch.device(args.device)
@@ -118,13 +116,9 @@ def run(args) -> list:
     s, d = args.seqlen, args.head_dim
     modes = args.modes
     if modes is None:
-        has_bwd = args.flashmask_backend != "cuda" or flashmask.cuda.has_backward() or args.force
-        modes = ["fwd", "fwdbwd"] if has_bwd else ["fwd"]
-        if not has_bwd:
-            print("note: no flashmask backward kernel: forward only (--force or --modes fwdbwd to add it)", flush=True)
+        modes = ["fwd", "fwdbwd"]
     configure_dynamo(retain_graph="bwd" in modes)
-    opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
-                          force_backward=args.force)
+    opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile)
     tile = args.tile or fwd_tile(d)
     meta = {"script": "bench_scaling", "args": vars(args), "modes": modes, "tile": tile,
             "env": environment(device)}

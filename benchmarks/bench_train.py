@@ -213,7 +213,7 @@ def build_model(args, method: str, seqlen: int, device: torch.device, dtype: tor
 
 def check_method(method: str, args, model, seqlen: int, device: torch.device, dtype: torch.dtype) -> List[str]:
     """Checks before building anything big; returns notes for the row. Raises :class:`Skip`
-    (an ``n/a`` row: the dense mask does not fit, no backward kernel) or ``RuntimeError``."""
+    (an ``n/a`` row: the dense mask does not fit) or ``RuntimeError``."""
     cfg = model.config
     notes = []
     if method == "flashmask":
@@ -222,8 +222,6 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
         if args.flashmask_backend == "cuda":
             if not flashmask.cuda.available():
                 raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
-            if not flashmask.cuda.has_backward():
-                raise Skip("n/a (no backward kernel)")
             hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             q = torch.empty(1, 8, cfg.num_attention_heads, hd, dtype=dtype, device=device)
             kv = torch.empty(1, 8, cfg.num_key_value_heads, hd, dtype=dtype, device=device)

@@ -63,7 +63,6 @@ class Options:
     flex_compile: bool = True
     flex_block_mask: str = "auto"  # auto | eager | compile
     dense_mem_fraction: float = 0.5
-    force_backward: bool = False
 
 
 @dataclass
@@ -72,7 +71,6 @@ class Prepared:
     mask_bytes: Optional[int] = None  # the method's mask representation kept for the calls
     build_ms: Optional[float] = None  # time to build that representation
     notes: List[str] = field(default_factory=list)
-    no_backward: Optional[str] = None  # why backward is not timed (reported as n/a)
     state: Dict[str, object] = field(default_factory=dict)  # tensors to drop when done
 
 
@@ -102,10 +100,6 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
 
         _, bn = fwd_tile(p.head_dim)
         prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn))
-        if backend in ("cuda", "sm80") and not flashmask.cuda.has_backward() and not opt.force_backward:
-            prep.no_backward = "n/a (no kernel)"
-        elif backend in ("cuda", "sm80") and not flashmask.cuda.has_backward():
-            prep.notes.append("bwd via reference path (no kernel)")
         return prep
 
     if method in ("flex", "flex_flash"):

@@ -61,7 +61,6 @@ def environment(device: torch.device) -> dict:
         import flashmask
         env["flashmask"] = flashmask.__version__
         env["flashmask_kernels"] = flashmask.cuda.available()
-        env["flashmask_backward_kernel"] = flashmask.cuda.has_backward()
     except Exception as e:  # pragma: no cover
         env["flashmask"] = f"import failed: {e}"
     return env

@@ -153,8 +153,6 @@ def try_time(prep: Prepared, mode: str, tensors, pairs: int, head_dim: int, warm
     """Time one mode; never raises. Returns ``{"status", "ms", "tflops", "first_call_s", "host_ms",
     "notes", "fatal"}``; a cell that may be bound by its launch path says so in its notes."""
     notes = [n for n in prep.notes if n]
-    if mode != "fwd" and prep.no_backward:
-        return {"status": "n/a", "notes": prep.no_backward, "fatal": False}
     try:
         ms, first, host = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device)
         tflops = attn_flops(pairs, head_dim, mode) / (ms * 1e-3) / 1e12

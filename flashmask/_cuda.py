@@ -63,10 +63,6 @@ def _not_built_reason() -> str:
     return f"the CUDA kernels (flashmask._C) were not built: {why} {how}"
 
 
-def has_backward() -> bool:
-    return _C is not None and hasattr(_C, "bwd")
-
-
 # Read once: torch.compile(fullgraph=True) traces flashmask_attention, and Dynamo cannot call
 # into the pybind11 functions themselves.
 _HEAD_DIMS: Tuple[int, ...] = tuple(_C.head_dims()) if _C is not None else ()

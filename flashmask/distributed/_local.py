@@ -36,8 +36,6 @@ def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str)
         reason = _cuda.unavailable_reason()
     if reason is None:
         reason = _cuda.build_unsupported_reason(q)
-    if reason is None and not _cuda.has_backward():
-        reason = "the CUDA extension has no backward kernel"
     if reason is not None:
         if backend in _ARCHS:
             raise RuntimeError(f"backend={backend!r} cannot run: {reason}")

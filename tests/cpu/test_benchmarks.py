@@ -348,21 +348,6 @@ def test_bench_kernels_gqa_on_cpu(tmp_path, capsys):
     assert "--kv-heads must divide --heads (4), got 3" in capsys.readouterr().err
 
 
-def test_bench_kernels_backward_na_without_kernel(tmp_path, capsys, monkeypatch):
-    """With backend='cuda' and no backward kernel, flashmask bwd rows are n/a, not timed."""
-    import flashmask
-    monkeypatch.setattr(flashmask.cuda, "available", lambda: True)
-    monkeypatch.setattr(flashmask.cuda, "has_backward", lambda: False)
-    p = methods.Problem(example("causal", 32)[0], True, 1, 2, 16, 32, torch.float32, torch.device("cpu"))
-    prep = methods.prepare_method("flashmask", p, methods.Options(flashmask_backend="cuda"))
-    assert prep.no_backward == "n/a (no kernel)"
-    res = timing.try_time(prep, "fwdbwd", timing.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
-                          100, 16, 0, 0, torch.device("cpu"))
-    assert res["status"] == "n/a" and res["notes"] == "n/a (no kernel)"
-    prep = methods.prepare_method("flashmask", p, methods.Options(flashmask_backend="cuda", force_backward=True))
-    assert prep.no_backward is None
-
-
 def test_bench_scaling_end_to_end_on_cpu(tmp_path, capsys):
     rows = bench_scaling.run(bench_scaling.parse_args([
         "--device", "cpu", "--flashmask-backend", "reference", "--seqlen", "128", "--docs", "1,4", "--heads", "2",

@@ -513,7 +513,7 @@ def build_parser():
         s.add_argument("--dtype", default="bf16", choices=list(DTYPES))
         s.add_argument("--align", type=int, default=128, help="chunk granularity of all-gather-KV")
         s.add_argument("--timeout", type=int, default=300, help="seconds before a stuck collective aborts")
-        s.add_argument("--out", default=None, help="results folder (default benchmarks/results/cp)")
+        s.add_argument("--out", default=None, help="results folder (default runs/cp)")
         s.add_argument("--seed", type=int, default=0)
         if name == "attn":
             s.add_argument("--families", default="causal_document,share_question")

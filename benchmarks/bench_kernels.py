@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {', '.join(ALL_METHODS)} ('all' = every one); flashmask_det = flashmask "
                         "with deterministic=True, bwd and fwd+bwd rows only")
     p.add_argument("--out", default=None,
-                   help="folder for kernels.csv / kernels.json (and plots/); default benchmarks/results/kernels")
+                   help="folder for kernels.csv / kernels.json (and plots/); default runs/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
     add_timing_args(p)
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],

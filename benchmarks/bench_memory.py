@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of methods")
-    p.add_argument("--out", default=None, help="folder for memory.csv / memory.json; default benchmarks/results/memory")
+    p.add_argument("--out", default=None, help="folder for memory.csv / memory.json; default runs/memory")
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
                    help="how to run create_block_mask (auto: eager when 8*S^2 bytes fit in half the free memory)")
     p.add_argument("--dense-mem-fraction", type=float, default=0.5,

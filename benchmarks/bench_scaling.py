@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="flashmask", help="comma list of flashmask, flex")
     p.add_argument("--tile", default=None,
                    help="forward tile BMxBN for the tile density (default: the kernel's for the head dim, e.g. 128x64)")
-    p.add_argument("--out", default=None, help="folder for scaling.csv / scaling.json; default benchmarks/results/scaling")
+    p.add_argument("--out", default=None, help="folder for scaling.csv / scaling.json; default runs/scaling")
     p.add_argument("--plot", action="store_true", help="write OUT/scaling.png (ms and ms/density vs documents)")
     add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alloc-conf", default="expandable_segments:True",
                    help="PYTORCH_CUDA_ALLOC_CONF for this run when the environment sets none ('' = the default "
                         "allocator); expandable segments avoid fragmentation OOMs at long contexts")
-    p.add_argument("--out", default=None, help="folder for train.csv / train.json; default benchmarks/results/train")
+    p.add_argument("--out", default=None, help="folder for train.csv / train.json; default runs/train")
     p.add_argument("--seed", type=int, default=0, help="model init and data")
     add_testing_args(p)
     return p

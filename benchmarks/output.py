@@ -1,4 +1,4 @@
-"""What the benchmark scripts write: CSV and JSON results (``benchmarks/results/<name>`` by default),
+"""What the benchmark scripts write: CSV and JSON results (``runs/<name>`` by default),
 the versions and device for their metadata, and matplotlib for plots (imported where used)."""
 from __future__ import annotations
 
@@ -35,14 +35,8 @@ def write_results(out_dir: str, stem: str, rows: List[dict], fields: Sequence[st
 
 
 def default_out_dir(name: str) -> str:
-    """``benchmarks/results/<name>``; the results folder gets a .gitignore that ignores everything."""
-    base = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(base, exist_ok=True)
-    gi = os.path.join(base, ".gitignore")
-    if not os.path.exists(gi):
-        with open(gi, "w") as f:
-            f.write("*\n")
-    return os.path.join(base, name)
+    """``runs/<name>`` in the checkout (ignored by git): benchmarks/results/ holds only published tables."""
+    return os.path.join(ROOT, "runs", name)
 
 
 def environment(device: torch.device) -> dict:

@@ -37,6 +37,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_attn_dry_run(tmp_path):
     # two invocations into one folder, as the device scripts run them: the second appends its rows
     _run(["attn", "--nproc", "2", "--families", "causal_document"], tmp_path)
@@ -58,6 +59,7 @@ def test_attn_dry_run(tmp_path):
     assert [r["family"] for run in runs for r in run["rows"]] == [r["family"] for r in rows]
 
 
+@pytest.mark.slow
 def test_results_with_another_header_are_refused(tmp_path):
     """An existing CSV written with other columns stops the run before any work, untouched."""
     old = "family,seqlen,ms\ncausal_document,256,1.0\n"
@@ -74,6 +76,7 @@ def test_results_with_another_header_are_refused(tmp_path):
     assert not (tmp_path / "attn.csv").exists()
 
 
+@pytest.mark.slow
 def test_train_dry_run_matches_one_process(tmp_path):
     pytest.importorskip("transformers")
     _run(["train", "--cp", "1"], tmp_path / "one")

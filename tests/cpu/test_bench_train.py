@@ -82,6 +82,7 @@ def test_cli_rejects_bad_values():
             bench_train.parse_args(bad)
 
 
+@pytest.mark.slow
 def test_end_to_end_on_cpu(tmp_path, capsys):
     rows = bench_train.run(_args(tmp_path, "--gradient-checkpointing"))
     out = capsys.readouterr().out
@@ -108,6 +109,7 @@ def test_end_to_end_on_cpu(tmp_path, capsys):
     assert "fm speedup" in out and "tok/s" in out and "step 2/3" in out
 
 
+@pytest.mark.slow
 def test_errors_become_rows_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
     """An OOM in one method and a dense mask that does not fit are rows; the other methods run."""
     real_step = bench_train.train_step
@@ -165,6 +167,7 @@ def test_find_max_stops_at_the_bound(tmp_path, capsys):
             "sdpa_dense": {"longest_seqlen": 128, "stopped": "bound --max-seqlen 128 reached"}}
 
 
+@pytest.mark.slow
 def test_find_max_searches_every_method(tmp_path, capsys, monkeypatch):
     """Each method doubles on its own: here the dense mask stops fitting at 256 while flashmask goes on."""
     real_fits = dense_fit
@@ -188,6 +191,7 @@ def test_find_max_searches_every_method(tmp_path, capsys, monkeypatch):
     assert "longest context trained with sdpa_dense (* rows): 128 tokens (256: n/a)" in out
 
 
+@pytest.mark.slow
 def test_hf_packed_block_mask_matches_the_library_mask(tmp_path):
     """--flex-mask position_ids relies on transformers building the packed-document block mask from
     the restarting position_ids; bench_train checks it against the library mask before timing."""

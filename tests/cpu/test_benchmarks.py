@@ -213,6 +213,7 @@ print('IMPORTS-OK')
     assert "IMPORTS-OK" in r.stdout and r.stdout.count("usage:") == 4
 
 
+@pytest.mark.slow
 def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
     rows = bench_kernels.run(bench_kernels.parse_args([
         "--device", "cpu", "--flashmask-backend", "reference", "--flex-no-compile", "--families",

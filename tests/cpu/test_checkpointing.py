@@ -118,6 +118,7 @@ def test_float32_within_rounding_and_no_grad_path():
     assert rec.inter_rows <= max(10, HIDDEN) < 45  # HIDDEN: the weights [I, H] transposed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("chunk_first", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

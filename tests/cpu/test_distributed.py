@@ -462,12 +462,14 @@ def world4(tmp_path_factory):
     return _spawn(4, _NAMES[4], tmp_path_factory)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _NAMES[2])
 def test_two_processes(world2, name):
     assert name in world2, f"case {name} did not run"
     assert not world2[name], "\n".join(world2[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _NAMES[4])
 def test_four_processes(world4, name):
     assert name in world4, f"case {name} did not run"
@@ -641,6 +643,7 @@ def hf_world2(tmp_path_factory):
     return _spawn_cases(_hf_worker, 2, _HF_NAMES, tmp_path_factory.mktemp("cp_hf"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _HF_NAMES)
 def test_transformers_fsdp2_context_parallel(hf_world2, name):
     assert name in hf_world2, f"case {name} did not run"

@@ -25,6 +25,7 @@ def _falls(losses, by):
     return sum(tail) / len(tail) < sum(head) / len(head) - by
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_sft_packed_loss_falls(arch, capsys):
     res = sft_packed.main(COMMON + ["--arch", arch, "--steps", "12", "--max-length", "256", "--batch-size", "1"])
@@ -39,6 +40,7 @@ def test_sft_packed_loss_falls(arch, capsys):
 SFT_SHORT = COMMON + ["--max-length", "256", "--batch-size", "1"]
 
 
+@pytest.mark.slow
 def test_sft_checkpoints_resume_and_loss_curve(tmp_path):
     straight = sft_packed.main(SFT_SHORT + ["--steps", "8", "--output-dir", str(tmp_path / "a")])
     assert _falls(straight["losses"], 0.5), straight["losses"]
@@ -67,6 +69,7 @@ def test_resume_past_steps_says_there_is_nothing_to_train(tmp_path, capsys):
         assert res["checkpoint"] is None and len(res["losses"]) == 2  # the checkpoint's history, no new step
 
 
+@pytest.mark.slow
 def test_checkpoint_reloads_as_a_hugging_face_model(tmp_path):
     first = sft_packed.main(SFT_SHORT + ["--steps", "10", "--output-dir", str(tmp_path)])
     ckpt = first["checkpoint"]
@@ -81,6 +84,7 @@ def test_checkpoint_reloads_as_a_hugging_face_model(tmp_path):
     assert again["first_loss"] < first["first_loss"] - 1.0, (first["losses"], again["losses"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_dpo_packed_loss_falls(arch, capsys):
     res = dpo_packed.main(COMMON + ["--arch", arch, "--steps", "12", "--max-length", "256", "--batch-size", "2",
@@ -105,6 +109,7 @@ def test_dpo_packed_with_sft_warmup_runs():
     assert len(res["losses"]) == 2
 
 
+@pytest.mark.slow
 def test_dpo_resume_reloads_policy_and_reference(tmp_path):
     args = COMMON + ["--max-length", "256", "--batch-size", "2", "--lr", "3e-3", "--sft-steps", "2"]
     straight = dpo_packed.main(args + ["--steps", "6", "--output-dir", str(tmp_path / "a")])
@@ -133,6 +138,7 @@ def test_help_documents_the_options(module):
         assert opt in r.stdout, opt
 
 
+@pytest.mark.slow
 def test_mlp_chunk_default_follows_offload_and_leaves_the_losses(monkeypatch):
     assert sft_packed.parse_args([]).mlp_chunk == 0
     assert sft_packed.parse_args(["--offload", "on"]).mlp_chunk == 65536

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
+pytestmark = pytest.mark.slow  # each test trains in several processes
 
 from tests import ROOT
 

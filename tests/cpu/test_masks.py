@@ -418,6 +418,7 @@ def test_import_is_cheap():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow
 def test_million_tokens_without_quadratic_memory():
     """Every builder (and the packed / picture paths) at S = 2**20 in a fresh process: a single
     S x S bool would be 1 TiB, so finishing quickly with a small peak RSS shows none is built."""

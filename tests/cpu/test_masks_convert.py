@@ -90,6 +90,7 @@ def startend(draw, causal=None, c=None):
     return causal, c, sq, x.to(torch.int32)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(startend())
 def test_from_dense_round_trip(case):
@@ -133,6 +134,7 @@ def _column_ok(col_mask, causal, c, j, sq, sk):
     return all(a == 0 or b == sq for a, b in runs) and (len(runs) < 2 or runs[0][0] == 0 and runs[-1][1] == sq)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(startend(), st.integers(0, 2**31), st.integers(0, 4))
 def test_from_dense_arbitrary_masks(case, seed, flips):
@@ -217,6 +219,7 @@ def test_window_to_startend_known_values():
         window_to_startend((1, 1), 0, 4, False)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(startend(), st.integers(-1, 5), st.integers(-1, 5))
 def test_merge_window(case, left, right):

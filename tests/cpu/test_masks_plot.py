@@ -74,6 +74,7 @@ def test_plot_mask_without_matplotlib(monkeypatch):
         masks.plot_mask(masks.causal(4), True)
 
 
+@pytest.mark.slow
 def test_draw_all(tmp_path):
     pytest.importorskip("matplotlib")
     from masks import draw_all

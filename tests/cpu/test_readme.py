@@ -2,9 +2,11 @@
 import os
 import re
 
+import pytest
 import torch
 
 from tests import ROOT
+
 # The user and performance documents whose relative links must point at files of the checkout.
 DOCUMENTS = ["README.md", "CHANGELOG.md", "benchmarks/README.md", "docs/format.md", "docs/performance.md",
              "docs/context_parallel.md", "docs/masks/README.md", "docs/dev/history.md", "docs/dev/perf_notes.md"]
@@ -36,6 +38,7 @@ def _anchors(text):
             for h in re.findall(r"^#+ (.*)$", text, re.M)}
 
 
+@pytest.mark.slow
 def test_cpu_example_runs_and_backpropagates():
     m = re.search(r"The same on a CPU.*?```python\n(.*?)```", _readme(), re.S)
     assert m, "README has no CPU example"

@@ -197,6 +197,7 @@ def test_two_gpus_nccl_kernels_match_one_gpu():
     assert not fails, "\n".join(f"{n}:\n{e}" for n, es in fails.items() for e in es)
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_of_the_gpu_script():
     """The same cases with gloo and the reference path at tiny sizes (keeps the GPU script runnable)."""
     out = spawn(2, "cpu", tiny=True, only=["allgather_kv-causal_document", "ulysses-share_question",

@@ -8,7 +8,8 @@ fwd+bwd = 3.5x), TFLOP/s per GPU = FLOPs / time / P, efficiency = speedup / P, p
 balancer's imbalance (attention work of the busiest rank over the mean).
 
 ``train``: a packed-SFT step of a randomly initialised decoder (``0.5b``: Qwen2-0.5B's shape with
-a 32K vocabulary, 0.39B parameters, Llama classes by default as in bench_train.py; documents of 128-4096 tokens packed per row): FSDP2 over the
+a 32K vocabulary, 0.39B parameters, Llama classes by default as in bench_train.py; documents of
+128-4096 tokens packed per row): FSDP2 over the
 P ranks, context parallelism over them (``--cp``), the ``fm_cp`` transformers backend, the
 chunked LM loss (no ``[S, vocab]`` logits) and per-layer activation checkpointing
 (``--offload``: checkpoints in pinned host memory; ``--mlp-chunk``: the MLPs run that many tokens
@@ -435,7 +436,8 @@ def bench_train(args):
         times, losses, imb = [], [], 1.0
         _reset_peak(device)
         for i in range(args.warmup_steps + args.steps):
-            batch = synthetic_batch(s, vocab, args.doc_len, args.seed + 1000 * i + rank // cp)  # the same batch on the ranks of a cp group
+            # the same batch on the ranks of a cp group
+            batch = synthetic_batch(s, vocab, args.doc_len, args.seed + 1000 * i + rank // cp)
             batch = {k: t.to(device) for k, t in batch.items()}
             if dist.is_initialized():
                 dist.barrier()

@@ -153,7 +153,8 @@ def plot_families(rows, out_dir: str):
         methods = list(OrderedDict.fromkeys(r["method"] for r in fr))
         configs = list(OrderedDict.fromkeys((r["seqlen"], r["head_dim"]) for r in fr))
         multi_d = len({d for _, d in configs}) > 1
-        fig, axes = plt.subplots(len(modes), 1, figsize=(max(6.0, 0.45 * len(configs) * len(methods)), 3.2 * len(modes)),
+        fig, axes = plt.subplots(len(modes), 1,
+                                 figsize=(max(6.0, 0.45 * len(configs) * len(methods)), 3.2 * len(modes)),
                                  squeeze=False)
         width = 0.8 / max(1, len(methods))
         for ax, mode in zip(axes[:, 0], modes):

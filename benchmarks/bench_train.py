@@ -60,8 +60,8 @@ from benchmarks.output import default_out_dir, environment, write_results
 from benchmarks.report import fmt_len, format_table, shorten, table_cell
 from benchmarks.timing import sync
 from training_examples.byte_tokenizer import VOCAB_SIZE
-from training_examples.models import MODEL_SIZES, build_model as build_preset
-
+from training_examples.models import MODEL_SIZES
+from training_examples.models import build_model as build_preset
 
 TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex")
 # The transformers attn_implementation of each method (fm_colmask: flashmask.integrations.transformers).

@@ -80,7 +80,8 @@ def main(argv=None):
     if not families:
         ap.error(f"no timed rows at --seqlen {args.seqlen} in {[args.csv] + args.extra_csv}")
     methods = [(k, label) for k, label in METHODS if any(k in d for d in rows.values())]
-    fig, axes = plt.subplots(len(args.panels), 1, figsize=(12, 2.2 + 2.4 * len(args.panels)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(args.panels), 1, figsize=(12, 2.2 + 2.4 * len(args.panels)), sharex=True,
+                             squeeze=False)
     width = 0.8 / len(methods)
     for ax, (mode, dim) in zip(axes[:, 0], args.panels):
         cells = [rows.get((f, args.seqlen, mode, dim), {}) for f in families]
@@ -88,7 +89,8 @@ def main(argv=None):
             ax.bar([x + i * width for x in range(len(families))], [c.get(key, 0.0) for c in cells], width, label=label)
         for x, c in enumerate(cells):  # flashmask / Flex over each flashmask bar
             if c.get("flashmask") and c.get("flex"):
-                ax.annotate(f"{c['flashmask'] / c['flex']:.2f}x", (x, c["flashmask"]), ha="center", va="bottom", fontsize=7)
+                ax.annotate(f"{c['flashmask'] / c['flex']:.2f}x", (x, c["flashmask"]), ha="center", va="bottom",
+                            fontsize=7)
         ax.set_ylabel(f"{MODE_LABELS[mode]}, D={dim}\nTFLOP/s")
         ax.grid(axis="y", alpha=0.3)
     axes[0, 0].legend(ncol=len(methods), loc="upper right")

@@ -30,7 +30,8 @@ def make_inputs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: torch
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, seqlen, heads, head_dim)
     kv_shape = (batch, seqlen, heads if kv_heads is None else kv_heads, head_dim)
-    q, k, v, dout = (torch.randn(sh, generator=g, device=device, dtype=dtype) for sh in (shape, kv_shape, kv_shape, shape))
+    q, k, v, dout = (torch.randn(sh, generator=g, device=device, dtype=dtype)
+                     for sh in (shape, kv_shape, kv_shape, shape))
     for t in (q, k, v):
         t.requires_grad_(True)
     return q, k, v, dout

@@ -12,8 +12,20 @@ tables (document ids, ...) on the device where FlexAttention will evaluate it.
 """
 from __future__ import annotations
 
-from . import (causal, causal_blockwise, causal_document, document, full, global_sliding_window, prefix_lm_causal,
-               prefix_lm_document, qk_sparse, random_eviction, share_question, sliding_window)
+from . import (
+               causal,
+               causal_blockwise,
+               causal_document,
+               document,
+               full,
+               global_sliding_window,
+               prefix_lm_causal,
+               prefix_lm_document,
+               qk_sparse,
+               random_eviction,
+               share_question,
+               sliding_window,
+)
 from .causal import causal_mask_mod
 from .causal_blockwise import causal_blockwise_mask_mod
 from .causal_document import causal_document_mask_mod

@@ -54,7 +54,8 @@ def from_dense(mask: torch.Tensor, causal: bool, num_columns: Optional[int] = No
                 spans.append(f"[{start}, {r})")
                 start = None
         where = " below the diagonal" if causal else ""
-        return f"its masked rows{where} form {len(spans)} run(s) {', '.join(spans[:4])}{' ...' if len(spans) > 4 else ''}"
+        return (f"its masked rows{where} form {len(spans)} run(s) "
+                f"{', '.join(spans[:4])}{' ...' if len(spans) > 4 else ''}")
 
     return _intervals.encode(runs, causal, num_columns, sq, describe, leak)
 
@@ -62,7 +63,8 @@ def from_dense(mask: torch.Tensor, causal: bool, num_columns: Optional[int] = No
 def _window(window_size) -> tuple:
     if (not isinstance(window_size, Sequence) or len(window_size) != 2
             or any(not is_int(w) or w < -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
+        raise ValueError("window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded), "
+                         f"got {window_size!r}")
     return int(window_size[0]), int(window_size[1])
 
 

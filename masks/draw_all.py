@@ -41,7 +41,8 @@ def main(outdir: str = os.path.join("docs", "masks")) -> None:
     for ax, name in zip(axes.flat, FAMILIES):
         m, caption = build(name)
         causal = FAMILIES[name].CAUSAL
-        plot_mask(m, causal, path=os.path.join(outdir, f"{name}.png"), title=f"{caption}\ncausal={causal}, C={m.shape[-1]}")
+        plot_mask(m, causal, path=os.path.join(outdir, f"{name}.png"),
+                  title=f"{caption}\ncausal={causal}, C={m.shape[-1]}")
         plot_mask(m, causal, ax=ax, title=caption if caption == name else f"{name}\n{caption}")
         ax.set_xlabel("")
         ax.set_ylabel("")

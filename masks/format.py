@@ -146,7 +146,8 @@ def validate(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: Optiona
 
     Checks :func:`check_tensor` (int32, 4-D, ``B`` against ``batch_size``), ``C`` against
     ``causal``, ``Hm`` (1, Hk or Hq) and ``Sk`` against the given sizes and, with
-    ``check_values``, that every value lies in ``[0, Sq]`` and that ``LTS <= LTE`` and ``UTS <= UTE``; a value error names the first bad
+    ``check_values``, that every value lies in ``[0, Sq]`` and that ``LTS <= LTE`` and ``UTS <= UTE``;
+    a value error names the first bad
     (batch, head, column). The value check of a valid mask reads one flag back to the host (one
     device sync).
     """

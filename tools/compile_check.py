@@ -192,7 +192,8 @@ def main() -> int:
     parser.add_argument("--kernel", default="fwd", help="fwd, bwd_kv or bwd_dq (csrc/instantiations.py KERNELS)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
-    parser.add_argument("-D", dest="defines", action="append", default=[], help="pass -DNAME or -DNAME=VALUE to nvcc (repeatable)")
+    parser.add_argument("-D", dest="defines", action="append", default=[],
+                        help="pass -DNAME or -DNAME=VALUE to nvcc (repeatable)")
     parser.add_argument("--keep", default=None, help="write the object file here (for cuobjdump -sass)")
     parser.add_argument("--fail-on-spills", action="store_true")
     parser.add_argument("--source", default=None,

@@ -83,6 +83,7 @@ elif args.kernels:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 elif args.host:
     import time
+
     from triton.testing import do_bench
     calls = 200  # few enough launches that the queue never fills and blocks the host
     timed()

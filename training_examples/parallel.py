@@ -87,6 +87,7 @@ def init_parallel(args) -> Parallel:
     if world == 1:
         return Parallel()
     import torch.distributed as dist
+
     from flashmask.distributed import fsdp as fm_fsdp
 
     if not dist.is_initialized():

@@ -25,9 +25,15 @@ from flashmask.distributed.allgather_kv import allgather_kv_attention
 from flashmask.distributed.balance import Balance, balance_chunks
 from flashmask.distributed.intervals import block_pairs, slice_rows, visible_pairs
 from flashmask.distributed.plan import MODES, ContextParallelPlan, make_plan
-from flashmask.distributed.sharding import (IGNORE_INDEX, MASK_KEY, context_parallel_attention,
-                                            document_mask_from_position_ids, pad_packed_batch, shard_packed_batch,
-                                            shift_labels)
+from flashmask.distributed.sharding import (
+                                            IGNORE_INDEX,
+                                            MASK_KEY,
+                                            context_parallel_attention,
+                                            document_mask_from_position_ids,
+                                            pad_packed_batch,
+                                            shard_packed_batch,
+                                            shift_labels,
+)
 from flashmask.distributed.ulysses import ulysses_attention, ulysses_heads
 
 __all__ = ["allgather_kv_attention", "ulysses_attention", "ulysses_heads", "context_parallel_attention",

@@ -85,11 +85,11 @@ class _AllGatherKVAttention(torch.autograd.Function):
             qh = slice(g * hqg, (g + 1) * hqg)
             for (lo, hi, _, _), mask in zip(plan.chunks, plan.chunk_masks):
                 m = _mask_heads(mask, hq, hk, g, groups)
-                o, l = _local.fwd(q[:, lo:hi, qh], kg, vg, m, scale, arch)
+                o, chunk_lse = _local.fwd(q[:, lo:hi, qh], kg, vg, m, scale, arch)
                 if lse is None:
-                    lse = torch.empty(b, hq, n, dtype=l.dtype, device=q.device)
+                    lse = torch.empty(b, hq, n, dtype=chunk_lse.dtype, device=q.device)
                 out[:, lo:hi, qh] = o
-                lse[:, qh, lo:hi] = l
+                lse[:, qh, lo:hi] = chunk_lse
         ctx.save_for_backward(q, out, lse, *gathered)
         ctx.plan, ctx.scale, ctx.arch, ctx.deterministic = plan, scale, arch, deterministic
         ctx.groups, ctx.grad_dtype, ctx.kv_dtype = groups, grad_dtype, k.dtype

@@ -50,7 +50,8 @@ def set_plan(plan: Optional[ContextParallelPlan], *, backend: str = "auto", head
     Set it once per batch, before the forward; it must still be set during the backward when
     activation checkpointing recomputes the layers."""
     if plan is not None and not isinstance(plan, ContextParallelPlan):
-        raise TypeError(f"plan must be a ContextParallelPlan (flashmask.distributed.make_plan), got {type(plan).__name__}")
+        raise TypeError("plan must be a ContextParallelPlan (flashmask.distributed.make_plan), "
+                        f"got {type(plan).__name__}")
     _state.update(plan=plan, backend=backend, head_groups=head_groups)
 
 
@@ -71,7 +72,8 @@ def context_parallel(plan: ContextParallelPlan, *, backend: str = "auto", head_g
 
 
 def _unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(f"attn_implementation={ATTN_IMPLEMENTATION!r} (context parallel) does not support {what}")
+    return NotImplementedError(f"attn_implementation={ATTN_IMPLEMENTATION!r} (context parallel) "
+                               f"does not support {what}")
 
 
 def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

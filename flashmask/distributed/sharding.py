@@ -84,7 +84,8 @@ def document_mask_from_position_ids(position_ids: torch.Tensor, causal: bool = T
     return from_position_ids(position_ids, causal, validate=False)
 
 
-def _pad_mask(mask: Optional[torch.Tensor], causal: bool, s: int, s_new: int, bsz: int, device) -> Optional[torch.Tensor]:
+def _pad_mask(mask: Optional[torch.Tensor], causal: bool, s: int, s_new: int, bsz: int,
+              device) -> Optional[torch.Tensor]:
     """Extend a mask with ``s_new - s`` padding keys that no real row sees. Real columns keep their
     values (all <= s, so the padding rows below them stay masked wherever the column reaches the end)."""
     pad = s_new - s

@@ -13,8 +13,15 @@ from hypothesis import strategies as st
 
 import flashmask
 import masks
-from tests.attn_helpers import TIGHT, check_matches, dense_from_intervals, dense_window, naive_attention, random_startend
 from flashmask import flashmask_attention, reference_attention
+from tests.attn_helpers import (
+    TIGHT,
+    check_matches,
+    dense_from_intervals,
+    dense_window,
+    naive_attention,
+    random_startend,
+)
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -267,17 +274,20 @@ def test_good_arguments_pass():
 
 
 QKV_ERRORS = [
-    ("q 3-d", dict(q=torch.randn(2, 6, 32)), ValueError, r"q must have 4 dimensions \[B, S, H, D\], got shape \(2, 6, 32\)"),
+    ("q 3-d", dict(q=torch.randn(2, 6, 32)), ValueError,
+     r"q must have 4 dimensions \[B, S, H, D\], got shape \(2, 6, 32\)"),
     ("k 5-d", dict(k=torch.randn(2, 5, 2, 8, 1)), ValueError, r"k must have 4 dimensions"),
     ("v 3-d", dict(v=torch.randn(5, 2, 8)), ValueError, r"v must have 4 dimensions"),
-    ("q int", dict(q=torch.ones(2, 6, 4, 8, dtype=torch.int32)), TypeError, r"q must be a floating-point tensor, got torch.int32"),
+    ("q int", dict(q=torch.ones(2, 6, 4, 8, dtype=torch.int32)), TypeError,
+     r"q must be a floating-point tensor, got torch.int32"),
     ("v bool", dict(v=torch.ones(2, 5, 2, 8, dtype=torch.bool)), TypeError, r"v must be a floating-point"),
     ("q not tensor", dict(q=[[1.0]]), TypeError, r"q must be a torch.Tensor, got list"),
     ("mixed dtypes", dict(k=torch.randn(2, 5, 2, 8, dtype=torch.float64)), TypeError,
      r"q, k and v must share a dtype, got torch.float32, torch.float64, torch.float32"),
     ("mixed half", dict(q=torch.randn(2, 6, 4, 8, dtype=torch.float16), k=torch.randn(2, 5, 2, 8, dtype=torch.float16)),
      TypeError, r"share a dtype"),
-    ("k/v shape", dict(v=torch.randn(2, 5, 2, 16)), ValueError, r"k and v must have the same shape .*\(2, 5, 2, 8\) and \(2, 5, 2, 16\)"),
+    ("k/v shape", dict(v=torch.randn(2, 5, 2, 16)), ValueError,
+     r"k and v must have the same shape .*\(2, 5, 2, 8\) and \(2, 5, 2, 16\)"),
     ("k/v length", dict(v=torch.randn(2, 4, 2, 8)), ValueError, r"k and v must have the same shape"),
     ("batch", dict(q=torch.randn(3, 6, 4, 8)), ValueError, r"q has batch 3 but k and v have batch 2"),
     ("head dim", dict(q=torch.randn(2, 6, 4, 16)), ValueError, r"q has head dim 16 but k and v have head dim 8"),
@@ -299,18 +309,26 @@ def _se(shape, fill=0, dtype=torch.int32):
 
 
 MASK_ERRORS = [
-    ("int64", dict(startend_row_indices=_se((2, 1, 5, 1), 6, torch.int64)), r"startend_row_indices must be torch.int32, got torch.int64"),
-    ("float", dict(startend_row_indices=_se((2, 1, 5, 1), 6, torch.float32)), r"must be torch.int32, got torch.float32"),
-    ("rank 3", dict(startend_row_indices=_se((2, 5, 1), 6)), r"startend_row_indices must have 4 dimensions \[B, Hm, Sk, C\], got shape \(2, 5, 1\)"),
+    ("int64", dict(startend_row_indices=_se((2, 1, 5, 1), 6, torch.int64)),
+     r"startend_row_indices must be torch.int32, got torch.int64"),
+    ("float", dict(startend_row_indices=_se((2, 1, 5, 1), 6, torch.float32)),
+     r"must be torch.int32, got torch.float32"),
+    ("rank 3", dict(startend_row_indices=_se((2, 5, 1), 6)),
+     r"startend_row_indices must have 4 dimensions \[B, Hm, Sk, C\], got shape \(2, 5, 1\)"),
     ("rank 5", dict(startend_row_indices=_se((2, 1, 5, 1, 1), 6)), r"must have 4 dimensions"),
     ("C=4 causal", dict(startend_row_indices=_se((2, 1, 5, 4), 6)), r"C=4 columns .* causal=True needs C=1 or 2"),
-    ("C=1 non-causal", dict(startend_row_indices=_se((2, 1, 5, 1), 6), causal=False), r"C=1 columns .* causal=False needs C=2 or 4"),
+    ("C=1 non-causal", dict(startend_row_indices=_se((2, 1, 5, 1), 6), causal=False),
+     r"C=1 columns .* causal=False needs C=2 or 4"),
     ("C=3 causal", dict(startend_row_indices=_se((2, 1, 5, 3), 6)), r"C=3 columns .* causal=True needs C=1 or 2"),
-    ("C=3 non-causal", dict(startend_row_indices=_se((2, 1, 5, 3), 6), causal=False), r"C=3 columns .* causal=False needs C=2 or 4"),
-    ("mask batch", dict(startend_row_indices=_se((3, 1, 5, 1), 6)), r"startend_row_indices has batch 3 but the inputs have batch 2"),
-    ("mask heads 3", dict(startend_row_indices=_se((2, 3, 5, 1), 6)), r"has 3 mask heads; it must be one of \[1, 2, 4\]"),
+    ("C=3 non-causal", dict(startend_row_indices=_se((2, 1, 5, 3), 6), causal=False),
+     r"C=3 columns .* causal=False needs C=2 or 4"),
+    ("mask batch", dict(startend_row_indices=_se((3, 1, 5, 1), 6)),
+     r"startend_row_indices has batch 3 but the inputs have batch 2"),
+    ("mask heads 3", dict(startend_row_indices=_se((2, 3, 5, 1), 6)),
+     r"has 3 mask heads; it must be one of \[1, 2, 4\]"),
     ("mask heads 8", dict(startend_row_indices=_se((2, 8, 5, 1), 6)), r"has 8 mask heads"),
-    ("mask Sk", dict(startend_row_indices=_se((2, 1, 6, 1), 6)), r"startend_row_indices has Sk=6 columns but the keys have length 5"),
+    ("mask Sk", dict(startend_row_indices=_se((2, 1, 6, 1), 6)),
+     r"startend_row_indices has Sk=6 columns but the keys have length 5"),
 ]
 
 
@@ -347,8 +365,10 @@ VALUE_ERRORS = [
     (2, False, 0, 0, 2, 1, -5, r"batch 0, head 0, column 2 \(LTS=6, UTE=-5\): values must lie in \[0, Sq=6\]"),
     (4, False, 1, 0, 1, 3, 9, r"batch 1, head 0, column 1 \(LTS=6, LTE=6, UTS=0, UTE=9\): values must lie"),
     (2, True, 0, 1, 2, 1, 3, r"batch 0, head 1, column 2 \(LTS=6, LTE=3\): each column needs LTS <= LTE"),
-    (4, False, 1, 1, 3, 1, 2, r"batch 1, head 1, column 3 \(LTS=6, LTE=2, UTS=0, UTE=0\): each column needs LTS <= LTE"),
-    (4, False, 0, 0, 4, 2, 5, r"batch 0, head 0, column 4 \(LTS=6, LTE=6, UTS=5, UTE=0\): each column needs UTS <= UTE"),
+    (4, False, 1, 1, 3, 1, 2,
+     r"batch 1, head 1, column 3 \(LTS=6, LTE=2, UTS=0, UTE=0\): each column needs LTS <= LTE"),
+    (4, False, 0, 0, 4, 2, 5,
+     r"batch 0, head 0, column 4 \(LTS=6, LTE=6, UTS=5, UTE=0\): each column needs UTS <= UTE"),
 ]
 
 
@@ -426,7 +446,8 @@ def test_window_mask_has_one_row_per_sample(monkeypatch):
 
 
 @pytest.mark.parametrize("scale, exc, match", [
-    (float("nan"), ValueError, r"softmax_scale must be a finite float > 0 \(or None for 1 / sqrt\(head dim\)\), got nan"),
+    (float("nan"), ValueError,
+     r"softmax_scale must be a finite float > 0 \(or None for 1 / sqrt\(head dim\)\), got nan"),
     (float("inf"), ValueError, r"softmax_scale must be a finite float > 0 .*got inf"),
     (0.0, ValueError, r"softmax_scale must be a finite float > 0 .*got 0\.0"),
     (-0.5, ValueError, r"softmax_scale must be a finite float > 0 .*got -0\.5"),

@@ -11,15 +11,24 @@ import pytest
 import torch
 
 import masks
+from benchmarks import (
+    bench_kernels,
+    bench_memory,
+    bench_scaling,
+    bench_train,
+    cli,
+    dense_masks,
+    flex,
+    flops,
+    methods,
+    report,
+    tiles,
+    timing,
+)
 from masks.examples import example
 from masks.format import to_dense
-
-from tests.attn_helpers import random_startend
-
-from benchmarks import bench_kernels, bench_memory, bench_scaling, bench_train
-from benchmarks import cli, dense_masks, flex, flops, methods, report, tiles, timing
-
 from tests import ROOT
+from tests.attn_helpers import random_startend
 
 LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 SIZES = [(1, 1), (1, 5), (5, 1), (17, 17), (9, 23), (23, 9), (64, 64)]
@@ -249,7 +258,8 @@ def test_bench_kernels_end_to_end_on_cpu(tmp_path, capsys):
                        "--panels", "fwd:16,fwdbwd:16", "--per-family", str(tmp_path / "from_csv")])
     assert (tmp_path / "summary.png").stat().st_size > 0
     summary = plot_results.load([str(tmp_path / "kernels.csv")])
-    assert summary[("causal", 64, "fwd", 16)]["flashmask"] == pytest.approx(by[("causal", "fwd", "flashmask")]["tflops"], rel=1e-4)
+    assert summary[("causal", 64, "fwd", 16)]["flashmask"] == pytest.approx(
+        by[("causal", "fwd", "flashmask")]["tflops"], rel=1e-4)
     assert plot_results.parse_panels("fwd:128,bwd:64") == [("fwd", 128), ("bwd", 64)]
     with pytest.raises(ValueError, match="mode:head_dim"):
         plot_results.parse_panels("forward:128")

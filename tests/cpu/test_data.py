@@ -9,11 +9,21 @@ import pytest
 import torch
 
 import masks
-from flashmask.data import (IGNORE_INDEX, MASK_KEY, PackedSFTCollator, ShareQuestionCollator, logp_positions,
-                            model_inputs, pack_sequences, response_end_values, shared_sequence_logps)
+from flashmask.data import (
+    IGNORE_INDEX,
+    MASK_KEY,
+    PackedSFTCollator,
+    ShareQuestionCollator,
+    logp_positions,
+    model_inputs,
+    pack_sequences,
+    response_end_values,
+    shared_sequence_logps,
+)
 
 try:
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
     given = None
 

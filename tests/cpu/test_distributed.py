@@ -19,13 +19,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import masks
-from tests.attn_helpers import random_startend
-from flashmask import flashmask_attention
 from flashmask import distributed as fmd
+from flashmask import flashmask_attention
 from flashmask.distributed.balance import balance_chunks
 from flashmask.distributed.intervals import block_pairs, slice_rows, visible_pairs
 from masks.examples import example
 from masks.format import to_dense
+from tests.attn_helpers import random_startend
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 

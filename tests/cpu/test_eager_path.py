@@ -28,10 +28,10 @@ class FakeExtension:
         self.dlse = dlse
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():  # backward functions run under no_grad
-            o, l = reference_attention(*leaves, mask, causal=causal, softmax_scale=scale)
+            o, ref_lse = reference_attention(*leaves, mask, causal=causal, softmax_scale=scale)
             loss = (o * dout).sum()
             if dlse is not None:
-                loss = loss + (torch.where(torch.isfinite(l), l, 0) * dlse).sum()
+                loss = loss + (torch.where(torch.isfinite(ref_lse), ref_lse, 0) * dlse).sum()
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
 

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from tests import ROOT
+
 EXAMPLES = os.path.join(ROOT, "training_examples")
 
 from training_examples import dpo_packed, sft_packed  # noqa: E402

@@ -18,8 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 pytestmark = pytest.mark.slow  # each test trains in several processes
 
-from tests import ROOT
-
+from tests import ROOT  # noqa: E402  (must follow the importorskip calls above)
 from training_examples import dpo_packed, sft_packed  # noqa: E402
 
 SFT = "training_examples.sft_packed"

@@ -11,7 +11,6 @@ import torch
 
 import flashmask
 import masks
-
 from tests import ROOT
 
 

@@ -9,8 +9,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
-from flashmask.data import (MASK_KEY, PackedSFTCollator, ShareQuestionCollator, logp_positions,  # noqa: E402
-                            model_inputs, pack_sequences, response_end_values, shared_sequence_logps)
+from flashmask.data import (  # noqa: E402
+    MASK_KEY,
+    PackedSFTCollator,
+    ShareQuestionCollator,
+    logp_positions,
+    model_inputs,
+    pack_sequences,
+    response_end_values,
+    shared_sequence_logps,
+)
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 256

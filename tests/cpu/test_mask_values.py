@@ -6,11 +6,12 @@ empty. The oracle clamps the values first and expands them with the independent
 """
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import masks
-from tests.attn_helpers import dense_from_intervals, naive_attention
 from flashmask import flashmask_attention
+from tests.attn_helpers import dense_from_intervals, naive_attention
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 INT32 = torch.iinfo(torch.int32)

@@ -8,12 +8,13 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import masks
 from masks import FAMILIES, to_dense
-
 from tests import ROOT
+
 FORMAT_DOC = os.path.join(ROOT, "docs", "format.md")
 # The worked examples of docs/format.md, by the start of their line -> family. The builder call and
 # the vectors come from the document itself, so the document cannot drift from the code silently.

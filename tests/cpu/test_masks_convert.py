@@ -3,7 +3,8 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import masks
 from masks import from_dense, merge_window, to_dense, validate, window_to_startend

@@ -4,12 +4,12 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import masks
 from masks import to_dense
 from masks.plot import visible_fraction
-
 from tests.cpu.test_masks_convert import startend
 
 

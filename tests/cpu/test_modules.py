@@ -3,7 +3,6 @@ documents) and RotaryEmbedding."""
 from __future__ import annotations
 
 import doctest
-import math
 
 import pytest
 import torch
@@ -11,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import masks
-from tests.attn_helpers import dense_from_intervals, dense_window, naive_attention, random_startend
 from flashmask import FlashMaskAttention, FlashMaskSelfAttention, RotaryEmbedding
+from tests.attn_helpers import dense_from_intervals, dense_window, naive_attention, random_startend
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 TIGHT = dict(atol=1e-10, rtol=1e-10)

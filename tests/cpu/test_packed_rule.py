@@ -2,7 +2,8 @@
 exactly 1 (transformers' ``masking_utils.find_packed_sequence_indices``)."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import masks
 
@@ -109,7 +110,8 @@ def test_entry_points_agree_on_tricky_position_ids(rows, causal):
     pos = torch.tensor(rows)
     b, s = pos.shape
     starts = [[t == 0 or r[t] != r[t - 1] + 1 for t in range(s)] for r in rows]  # the rule, in Python
-    lens = [[b_ - a for a, b_ in zip(st_, st_[1:] + [s])] for st_ in ([t for t in range(s) if row[t]] for row in starts)]
+    lens = [[b_ - a for a, b_ in zip(st_, st_[1:] + [s])]
+            for st_ in ([t for t in range(s) if row[t]] for row in starts)]
     want = _dense((masks.causal_document if causal else masks.document)(s, lens), causal, b, s)
     _assert_all_agree(_entry_points_from_positions(pos, causal), want, causal, b, s)
 

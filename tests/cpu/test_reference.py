@@ -16,11 +16,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import masks
-from tests.attn_helpers import (TIGHT, check_matches, dense_from_intervals, dense_from_mask_mod, error_bound, max_err,
-                          naive_attention, random_startend)
 from flashmask import flashmask_attention
 from flashmask.reference import reference_attention
 from masks.examples import example
+from tests.attn_helpers import (
+    TIGHT,
+    check_matches,
+    dense_from_intervals,
+    dense_from_mask_mod,
+    error_bound,
+    max_err,
+    naive_attention,
+    random_startend,
+)
 
 FAMILIES = list(masks.FAMILIES)
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import pytest
+
 from tests import ROOT
 
 CSRC = os.path.join(ROOT, "csrc")

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import flashmask
+import masks
 from flashmask import _cuda
 from flashmask.reference import reference_attention
+from masks.examples import example
 from tests.attn_helpers import assert_close_to_reference, error_bound, low_precision_attention, max_err, random_startend
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
-from masks.examples import example
-import masks
 
 pytestmark = pytest.mark.skipif(not _cuda.available(),
                                 reason="needs a CUDA device and the built extension with its backward")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import masks
-from masks.examples import example
 from flashmask import _cuda
+from masks.examples import example
 from tests.attn_helpers import assert_close_to_reference, random_startend
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, MODES, make_qkv, run_kernel

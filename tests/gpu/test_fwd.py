@@ -9,12 +9,12 @@ import torch
 
 import flashmask
 import masks
-from masks.examples import example
 from flashmask import _cuda
+from masks.examples import example
+from tests import ROOT
 from tests.attn_helpers import assert_close_to_reference, random_startend
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, make_qkv, poison_allocator, run_kernel
-from tests import ROOT
 
 pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
 
@@ -40,7 +40,8 @@ SIZES = [1, 17, 127, 1000, 4097]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sq,sk", [(s, s) for s in SIZES] + [(17, 1000), (1000, 17), (127, 4097), (4097, 127), (1, 4097)])
+@pytest.mark.parametrize("sq,sk", [(s, s) for s in SIZES]
+                         + [(17, 1000), (1000, 17), (127, 4097), (4097, 127), (1, 4097)])
 @pytest.mark.parametrize("causal,c", MODES + [(True, None), (False, None)])
 def test_odd_shapes(dtype, sq, sk, causal, c):
     d = max(HEAD_DIMS, key=lambda x: x == 128)
@@ -243,7 +244,8 @@ _ENV_ARCH_SCRIPT = """
 import torch, flashmask
 from flashmask import _cuda
 q = torch.randn(1, 64, 2, {d}, device="cuda", dtype=torch.{dtype})
-for step in (lambda: _cuda.selected_arch(q), lambda: flashmask.flashmask_attention(q, q, q, causal=True, backend="cuda").dtype):
+for step in (lambda: _cuda.selected_arch(q),
+             lambda: flashmask.flashmask_attention(q, q, q, causal=True, backend="cuda").dtype):
     try:
         print("ok", step())
     except RuntimeError as e:

@@ -16,8 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import flashmask  # noqa: E402
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
-from flashmask.data import (PackedSFTCollator, ShareQuestionCollator, model_inputs,  # noqa: E402
-                            pack_sequences, shared_sequence_logps)
+from flashmask.data import PackedSFTCollator, ShareQuestionCollator, model_inputs, pack_sequences, shared_sequence_logps  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 512

@@ -13,9 +13,9 @@ import flashmask
 import masks
 from flashmask import _cuda
 from flashmask.reference import reference_attention
+from tests import ROOT
 from tests.attn_helpers import assert_close_to_reference, error_bound, low_precision_attention, max_err
 from tests.gpu.cases import DTYPES, HEAD_DIMS, make_qkv
-from tests import ROOT
 
 pytestmark = pytest.mark.skipif(not _cuda.available(),
                                 reason="needs a CUDA device and the built extension with its backward")
@@ -108,7 +108,7 @@ def test_layers_and_backward_reuse_the_metadata():
         fwd_stats = _cuda.mask_cache_stats()
         loss = sum((o.float() * d.float()).sum() for (o, _), d in zip(outs, douts))
         grads = torch.autograd.grad(loss, [t for x in leaves for t in x])
-        return [(o.detach(), l.detach()) for o, l in outs], grads, fwd_stats
+        return [(o.detach(), lse.detach()) for o, lse in outs], grads, fwd_stats
 
     outs, grads, fwd_stats = step()
     assert fwd_stats == (2, 1)  # the first forward computes, the next layers reuse

@@ -113,7 +113,8 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
             scale = max(y.abs().max().item(), 1e-2)
             assert max_err(x, plan.shard(y)) <= 2e-2 * scale, f"{name} differs from one GPU"
         return res
-    ref, ref_g = _grads(lambda a, b_, c_: reference_attention(a.float(), b_.float(), c_.float(), mask, causal=causal)[0],
+    ref, ref_g = _grads(lambda a, b_, c_: reference_attention(a.float(), b_.float(), c_.float(), mask,
+                                                              causal=causal)[0],
                         leaves, dout)
     low, low_g = _grads(lambda a, b_, c_: low_precision_attention(a, b_, c_, mask, causal)[0], leaves, dout)
     for name, x, r, lo, o in zip(("out", "dq", "dk", "dv"), (cp,) + tuple(cp_g), (ref,) + tuple(ref_g),
@@ -188,7 +189,8 @@ def _failures(out):
     return {n: [r.get("error") for r in rs if not r["ok"]] for n, rs in out.items() if not all(r["ok"] for r in rs)}
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and _cuda.available() and dist.is_nccl_available()),
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and _cuda.available()
+                         and dist.is_nccl_available()),
                     reason="needs 2 GPUs, NCCL and the built CUDA kernels")
 def test_two_gpus_nccl_kernels_match_one_gpu():
     out = spawn(2, "cuda", tiny=False)

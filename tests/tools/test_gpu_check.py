@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests import ROOT
+
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 
 # Answers `-m pip install ...` (the build) with ptxas's lines for two kernels, one of them spilling
@@ -15,7 +16,8 @@ FAKE_PYTHON = """#!/bin/bash
 echo "$*" >> "$(dirname "$0")/calls.txt"
 if [ "$2" = pip ]; then
     echo "FLASHMASK_BUILD_CUDA=$FLASHMASK_BUILD_CUDA"
-    echo "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized in the function 'k1'"
+    echo "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are \
+serialized in the function 'k1'"
     echo "ptxas info    : Used 168 registers, used 1 barriers"
     echo "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
     echo "ptxas info    : Used 128 registers, used 1 barriers"

@@ -1,11 +1,11 @@
 """tools/ncu_hot_lines.py on a small CSV shaped like ncu's source page."""
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests import ROOT
+
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
           '"stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"')
 

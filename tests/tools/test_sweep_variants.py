@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests import ROOT
+
 GIT_ID = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
 
 FAKE_SETUP = """\

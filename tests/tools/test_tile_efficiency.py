@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import masks
-from tests.attn_helpers import random_startend
 from masks.format import to_dense, unpack
+from tests.attn_helpers import random_startend
 from tools import tile_efficiency
 
 

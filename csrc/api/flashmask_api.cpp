@@ -76,7 +76,12 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
     set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
     set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-    p.b = b; p.sq = sq; p.sk = sk; p.hq = hq; p.hk = hk; p.d = d;
+    p.b = b;
+    p.sq = sq;
+    p.sk = sk;
+    p.hq = hq;
+    p.hk = hk;
+    p.d = d;
     p.q_per_kv_head = hq / hk;
     p.softmax_scale = float(softmax_scale);
     p.scale_log2 = float(softmax_scale * M_LOG2E);
@@ -84,13 +89,15 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.n_key_blocks = (sk + block_n - 1) / block_n;
     if (!startend_row_indices.has_value()) return;
     const at::Tensor& mask = *startend_row_indices;
-    TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4, "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
-    TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(), "flashmask: startend_row_indices must be on the device of q");
+    TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 4,
+                "flashmask: startend_row_indices must be int32 [B, Hm, Sk, C]");
+    TORCH_CHECK(mask.is_cuda() && mask.get_device() == q.get_device(),
+                "flashmask: startend_row_indices must be on the device of q");
     const int hm = mask.size(1), c = mask.size(3);
     TORCH_CHECK(mask.size(0) == b && mask.size(2) == sk, "flashmask: startend_row_indices must be [B, Hm, Sk, C]");
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
-    TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c), " is invalid for causal=",
-                causal ? "True" : "False");
+    TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c),
+                " is invalid for causal=", causal ? "True" : "False");
     meta = mask_metadata(mask, causal, sq, block_m, block_n, hq, jobs, stream);
     p.mask = meta.mask.data_ptr<int>();
     p.bounds = meta.bounds.data_ptr<int>();
@@ -158,8 +165,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     }
     sel.kernels->fwd(p, stream);
     if (p.num_splits > 1) {
-        if (q.scalar_type() == at::kHalf) run_fwd_combine_fp16(p, stream);
-        else run_fwd_combine_bf16(p, stream);
+        if (q.scalar_type() == at::kHalf)
+            run_fwd_combine_fp16(p, stream);
+        else
+            run_fwd_combine_bf16(p, stream);
     }
     return {out, lse};
 }
@@ -174,7 +183,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flashmask: dout and out must be shaped like q");
     TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
                 "flashmask: dout and out must have the dtype of q");
-    TORCH_CHECK(dout.is_contiguous() && out.stride(-1) == 1, "flashmask: dout must be contiguous and out needs a contiguous last dimension");
+    TORCH_CHECK(dout.is_contiguous() && out.stride(-1) == 1,
+                "flashmask: dout must be contiguous and out needs a contiguous last dimension");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0, "flashmask: dout must be 16-byte aligned");
     const c10::cuda::CUDAGuard guard(q.device());
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
@@ -183,23 +193,27 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     at::Tensor dk = at::empty_like(k);
     at::Tensor dv = at::empty_like(v);
     if (b == 0 || hq == 0 || sk == 0) {
-        dq.zero_(); dk.zero_(); dv.zero_();
+        dq.zero_();
+        dk.zero_();
+        dv.zero_();
         return {dq, dk, dv};
     }
     if (sq == 0) {
-        dk.zero_(); dv.zero_();
+        dk.zero_();
+        dv.zero_();
         return {dq, dk, dv};
     }
     const at::Tensor lse_c = lse.contiguous();
     TORCH_CHECK(lse_c.scalar_type() == at::kFloat && lse_c.dim() == 3 && lse_c.size(0) == b && lse_c.size(1) == hq &&
-                lse_c.size(2) == sq, "flashmask: lse must be float32 [B, Hq, Sq]");
+                    lse_c.size(2) == sq,
+                "flashmask: lse must be float32 [B, Hq, Sq]");
     at::Tensor dlse_c;
     if (dlse.has_value()) {
         dlse_c = dlse->to(at::kFloat).contiguous();
         TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
     }
-    const Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch),
-                                         deterministic ? Slot::bwd_deterministic : Slot::bwd);
+    const Selection sel =
+        select_kernels(d, dtype_of(q), device_cc(q), int(arch), deterministic ? Slot::bwd_deterministic : Slot::bwd);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
@@ -207,11 +221,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     // in flight); its deterministic mode in the launch order, which its dQ turns follow, and from
     // kTurnListKeys keys with a mask in a list of that order whose head grouping suits the mask.
     const bool sm90 = sel.kernels->arch == 90;
-    const Jobs jobs = sm90 && !deterministic ? Jobs::key_blocks
+    const Jobs jobs = sm90 && !deterministic                                ? Jobs::key_blocks
                       : sm90 && sk >= kTurnListKeys && !head_group_forced() ? Jobs::key_blocks_in_turn
-                                                                           : Jobs::none;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale,
-                jobs != Jobs::none ? sel.tiles.bwd_block_m : 0, sel.tiles.bwd_block_n, jobs, meta, stream);
+                                                                            : Jobs::none;
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, jobs != Jobs::none ? sel.tiles.bwd_block_m : 0,
+                sel.tiles.bwd_block_n, jobs, meta, stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();
@@ -266,8 +280,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         p.job_counter = job_counter.data_ptr<int>();
     }
     const float* dlse_ptr = dlse.has_value() ? dlse_c.data_ptr<float>() : nullptr;
-    if (q.scalar_type() == at::kHalf) run_bwd_dsum_fp16(p, dlse_ptr, stream);
-    else run_bwd_dsum_bf16(p, dlse_ptr, stream);
+    if (q.scalar_type() == at::kHalf)
+        run_bwd_dsum_fp16(p, dlse_ptr, stream);
+    else
+        run_bwd_dsum_bf16(p, dlse_ptr, stream);
     p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);
     if (dq_kernel) sel.kernels->bwd_dq(p, stream);
@@ -302,24 +318,29 @@ std::tuple<int64_t, int64_t, int64_t> set_overrides(int64_t head_group, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flashmask CUDA kernels";
     m.def("fwd", &flashmask::fwd, "FlashMask attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"), py::arg("num_splits") = 0, py::arg("arch") = 0);
+          py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"), py::arg("num_splits") = 0,
+          py::arg("arch") = 0);
     m.def("bwd", &flashmask::bwd, "FlashMask attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("startend_row_indices"),
           py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"), py::arg("arch") = 0);
-    m.def("mask_cache_stats", &flashmask::mask_cache_stats, "(hits, misses) of the mask metadata cache since its last clear");
+    m.def("mask_cache_stats", &flashmask::mask_cache_stats,
+          "(hits, misses) of the mask metadata cache since its last clear");
     m.def("mask_cache_clear", &flashmask::mask_cache_clear, "empty the mask metadata cache and zero its counts");
     m.def("_set_overrides", &flashmask::set_overrides,
           "tests only: pin the head group, the SM90 forward's decode warp and the mask cache (0 / -1: the "
-          "library's choice); returns the previous values", py::arg("head_group") = 0, py::arg("decode_warp") = -1,
-          py::arg("mask_cache") = -1);
+          "library's choice); returns the previous values",
+          py::arg("head_group") = 0, py::arg("decode_warp") = -1, py::arg("mask_cache") = -1);
     m.def("head_dims", &flashmask::compiled_head_dims);
     m.def("dtypes", &flashmask::compiled_dtypes);
     m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");
-    m.def("selected_arch", [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch, const std::string& slot) {
-        const flashmask::DType t = dtype == "float16" ? flashmask::DType::fp16 : flashmask::DType::bf16;
-        const flashmask::Slot s = slot == "fwd" ? flashmask::Slot::fwd
-                                : slot == "bwd" ? flashmask::Slot::bwd
-                                                : flashmask::Slot::bwd_deterministic;
-        return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch), s).kernels->arch);
-    }, "the architecture family a call would run on (slot: fwd, bwd or bwd_deterministic)");
+    m.def(
+        "selected_arch",
+        [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch, const std::string& slot) {
+            const flashmask::DType t = dtype == "float16" ? flashmask::DType::fp16 : flashmask::DType::bf16;
+            const flashmask::Slot s = slot == "fwd"   ? flashmask::Slot::fwd
+                                      : slot == "bwd" ? flashmask::Slot::bwd
+                                                      : flashmask::Slot::bwd_deterministic;
+            return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch), s).kernels->arch);
+        },
+        "the architecture family a call would run on (slot: fwd, bwd or bwd_deterministic)");
 }

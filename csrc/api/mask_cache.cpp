@@ -62,7 +62,7 @@ struct Entry {
     // TensorImpl's address from being reused; an expired entry is dropped at the next lookup.
     WeakImpl owner;
     at::Tensor copy;  // the contiguous copy of a strided mask; undefined when the mask was contiguous
-    std::vector<std::pair<int, at::Tensor>> bounds;                // by block_n
+    std::vector<std::pair<int, at::Tensor>> bounds;  // by block_n
     // (order, floor) by (block_m, block_n)
     std::vector<std::pair<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>>> tiles;
     std::vector<std::pair<std::tuple<int, int, int, Jobs>, at::Tensor>> jobs;  // by (block_m, block_n, hq, jobs)
@@ -113,7 +113,8 @@ bool cache_enabled() {
 
 at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block_n, cudaStream_t stream) {
     const int sk = mask.size(2);
-    at::Tensor bounds = at::empty({mask.size(0), mask.size(1), (sk + block_n - 1) / block_n, kNumBounds}, mask.options());
+    at::Tensor bounds =
+        at::empty({mask.size(0), mask.size(1), (sk + block_n - 1) / block_n, kNumBounds}, mask.options());
     launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), mask.size(0) * mask.size(1), sk, mask.size(3),
                        causal, sq, block_n, stream);
     return bounds;
@@ -128,8 +129,8 @@ std::pair<at::Tensor, at::Tensor> compute_work(const at::Tensor& bounds, bool ca
     const int n_blocks = bounds.size(2), m_tiles = (sq + block_m - 1) / block_m;
     at::Tensor work = at::empty({batch_heads, key_blocks ? n_blocks : m_tiles}, bounds.options());
     at::Tensor floor = key_blocks ? at::Tensor() : at::empty_like(work);
-    launch_work(bounds.data_ptr<int>(), work.data_ptr<int>(), key_blocks ? nullptr : floor.data_ptr<int>(),
-                batch_heads, n_blocks, m_tiles, block_m, block_n, sq, sk, causal, key_blocks, stream);
+    launch_work(bounds.data_ptr<int>(), work.data_ptr<int>(), key_blocks ? nullptr : floor.data_ptr<int>(), batch_heads,
+                n_blocks, m_tiles, block_m, block_n, sq, sk, causal, key_blocks, stream);
     return {work, floor};
 }
 
@@ -149,9 +150,10 @@ at::Tensor compute_jobs(const at::Tensor& work, int batch, int hq) {
         work.view({batch, hm, 1, m_tiles}).expand({batch, hm, hq / hm, m_tiles}).reshape({batch * hq, m_tiles});
     const auto [sorted, tile] = per_head.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
     const at::Tensor jobs = tile + at::arange(int64_t(batch) * hq, tile.options()).unsqueeze(1) * m_tiles;
-    const at::Tensor bucket =
-        at::where(sorted > 0, at::floor(at::log2(sorted.to(at::kFloat)) * 2), -1.f).reshape({-1});
-    return jobs.reshape({-1}).index_select(0, bucket.argsort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).to(at::kInt);
+    const at::Tensor bucket = at::where(sorted > 0, at::floor(at::log2(sorted.to(at::kFloat)) * 2), -1.f).reshape({-1});
+    return jobs.reshape({-1})
+        .index_select(0, bucket.argsort(/*stable=*/true, /*dim=*/0, /*descending=*/true))
+        .to(at::kInt);
 }
 
 // MaskMeta::jobs for the deterministic SM90 backward: a key block adds its dQ to a query block
@@ -276,7 +278,8 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     if (want_order && !find(it->tiles, std::make_pair(block_m, block_n)).first.defined()) {
         it->tiles.emplace_back(std::make_pair(block_m, block_n), std::make_pair(m.order, m.floor));
     }
-    if (block_m > 0 && jobs != Jobs::none && !find(it->jobs, jobs_key).defined()) it->jobs.emplace_back(jobs_key, m.jobs);
+    if (block_m > 0 && jobs != Jobs::none && !find(it->jobs, jobs_key).defined())
+        it->jobs.emplace_back(jobs_key, m.jobs);
     return m;
 }
 

@@ -37,9 +37,12 @@ bool deterministic_in_bwd_kv(const KernelSet& k) { return k.arch == 90; }
 
 bool has(const KernelSet& k, Slot slot) {
     switch (slot) {
-        case Slot::fwd: return k.fwd != nullptr;
-        case Slot::bwd: return k.bwd_kv != nullptr;
-        default: return k.bwd_kv != nullptr && (k.bwd_dq != nullptr || deterministic_in_bwd_kv(k));
+        case Slot::fwd:
+            return k.fwd != nullptr;
+        case Slot::bwd:
+            return k.bwd_kv != nullptr;
+        default:
+            return k.bwd_kv != nullptr && (k.bwd_dq != nullptr || deterministic_in_bwd_kv(k));
     }
 }
 

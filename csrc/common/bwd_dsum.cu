@@ -18,8 +18,12 @@ namespace {
 constexpr int kThreads = 256;
 
 struct DsumArgs {
-    const float* lse; const float* dlse;
-    float* dsum; float* lse_log2; float* dq_accum; int* job_counter;
+    const float* lse;
+    const float* dlse;
+    float* dsum;
+    float* lse_log2;
+    float* dq_accum;
+    int* job_counter;
     int accum_row, sq, stride, hq, d;
     int64_t do_b, do_s, do_h, o_b, o_s, o_h, rows;
 };
@@ -44,8 +48,8 @@ __device__ float row_dot(const Element* a, const Element* c, int d, int lane, in
 }
 
 template <typename Element, int kGroup, bool kPieces>
-__global__ void __launch_bounds__(kThreads) bwd_dsum_kernel(const Element* __restrict__ dout,
-                                                            const Element* __restrict__ out, DsumArgs g) {
+__global__ void __launch_bounds__(kThreads)
+    bwd_dsum_kernel(const Element* __restrict__ dout, const Element* __restrict__ out, DsumArgs g) {
     if (g.job_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *g.job_counter = 0;
     const int64_t row = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / kGroup;
     const int lane = threadIdx.x % kGroup;
@@ -81,8 +85,8 @@ __global__ void __launch_bounds__(kThreads) bwd_dsum_kernel(const Element* __res
 template <typename Element, int kGroup, bool kPieces>
 void launch(const BwdParams& p, const DsumArgs& g, cudaStream_t stream) {
     const int64_t grid = (g.rows * kGroup + kThreads - 1) / kThreads;
-    bwd_dsum_kernel<Element, kGroup, kPieces><<<grid, kThreads, 0, stream>>>(
-        static_cast<const Element*>(p.dout), static_cast<const Element*>(p.o), g);
+    bwd_dsum_kernel<Element, kGroup, kPieces>
+        <<<grid, kThreads, 0, stream>>>(static_cast<const Element*>(p.dout), static_cast<const Element*>(p.o), g);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -93,10 +97,23 @@ bool aligned16(const void* ptr, int64_t b, int64_t s, int64_t h, int elem) {
 
 template <typename Element>
 void run(const BwdParams& p, const float* dlse, cudaStream_t stream) {
-    const DsumArgs g{p.lse, dlse, const_cast<float*>(p.dsum), p.lse_log2, p.dq_accum, p.job_counter,
-                     p.dq_accum_row, p.sq, p.stats_stride, p.hq, p.d,
-                     p.do_batch_stride, p.do_row_stride, p.do_head_stride,
-                     p.o_batch_stride, p.o_row_stride, p.o_head_stride,
+    const DsumArgs g{p.lse,
+                     dlse,
+                     const_cast<float*>(p.dsum),
+                     p.lse_log2,
+                     p.dq_accum,
+                     p.job_counter,
+                     p.dq_accum_row,
+                     p.sq,
+                     p.stats_stride,
+                     p.hq,
+                     p.d,
+                     p.do_batch_stride,
+                     p.do_row_stride,
+                     p.do_head_stride,
+                     p.o_batch_stride,
+                     p.o_row_stride,
+                     p.o_head_stride,
                      int64_t(p.b) * p.hq * p.stats_stride};
     if (g.rows == 0) return;
     constexpr int kElem = sizeof(Element);

@@ -14,9 +14,9 @@ namespace flashmask {
 // and the LSE (or the split's partial LSE).
 template <typename Element>
 struct FwdOutput {
-    Element* o;       // row 0 of this (batch, head) in p.o
-    float* o_part;    // split-KV: row 0 of this split's [Sq, D] partial output, else nullptr
-    float* lse;       // row 0 of the LSE (or the split's partial LSE)
+    Element* o;     // row 0 of this (batch, head) in p.o
+    float* o_part;  // split-KV: row 0 of this split's [Sq, D] partial output, else nullptr
+    float* lse;     // row 0 of the LSE (or the split's partial LSE)
     int64_t row_stride;
     int d;
 
@@ -34,8 +34,10 @@ struct FwdOutput {
     __forceinline__ __device__ void write_empty(int r0, int r1, int tidx, int threads) const {
         for (int i = tidx; i < (r1 - r0) * d; i += threads) {
             const int row = r0 + i / d, col = i % d;
-            if (o_part != nullptr) o_part[int64_t(row) * d + col] = 0.f;
-            else o[row * row_stride + col] = Element(0.f);
+            if (o_part != nullptr)
+                o_part[int64_t(row) * d + col] = 0.f;
+            else
+                o[row * row_stride + col] = Element(0.f);
         }
         for (int r = r0 + tidx; r < r1; r += threads) lse[r] = o_part != nullptr ? -INFINITY : INFINITY;
     }
@@ -65,7 +67,7 @@ struct FwdOutput {
         store_lse</*kSplit=*/false>(coords, row_lse, r0, r1, tidx);
     }
 
-   private:
+private:
     // The LSE of rows [r0, r1) from the first lane of each quad; a split's +inf (a row no key of the
     // split reaches) is written -inf, so that it adds nothing to the merge.
     template <bool kSplit, typename Coords>

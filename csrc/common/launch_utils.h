@@ -39,13 +39,19 @@ void dispatch_mask_mode(bool causal, int mask_c, F&& f) {
     using True = std::true_type;
     using False = std::false_type;
     if (causal) {
-        if (mask_c == 0) f(True{}, std::integral_constant<int, 0>{});
-        else if (mask_c == 1) f(True{}, std::integral_constant<int, 1>{});
-        else f(True{}, std::integral_constant<int, 2>{});
+        if (mask_c == 0)
+            f(True{}, std::integral_constant<int, 0>{});
+        else if (mask_c == 1)
+            f(True{}, std::integral_constant<int, 1>{});
+        else
+            f(True{}, std::integral_constant<int, 2>{});
     } else {
-        if (mask_c == 0) f(False{}, std::integral_constant<int, 0>{});
-        else if (mask_c == 2) f(False{}, std::integral_constant<int, 2>{});
-        else f(False{}, std::integral_constant<int, 4>{});
+        if (mask_c == 0)
+            f(False{}, std::integral_constant<int, 0>{});
+        else if (mask_c == 2)
+            f(False{}, std::integral_constant<int, 2>{});
+        else
+            f(False{}, std::integral_constant<int, 4>{});
     }
 }
 

@@ -65,8 +65,8 @@ struct BwdParams : AttnParams {
     const float* dsum;
     float* lse_log2;  // nullptr where unused (SM80)
     int stats_stride;
-    float* dq_accum;    // zeroed float32 [B, Hq, query blocks, BlockM * head dim] (dq_accum.h): dS*K over key blocks
-    int dq_accum_row;   // > 0: the D kernel zeroes dq_accum, this many floats per padded row (stats_stride rows)
+    float* dq_accum;   // zeroed float32 [B, Hq, query blocks, BlockM * head dim] (dq_accum.h): dS*K over key blocks
+    int dq_accum_row;  // > 0: the D kernel zeroes dq_accum, this many floats per padded row (stats_stride rows)
     // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], one more than the last key
     // block that added to each query block's dQ (they add in order: sm90/bwd_kernel.h); nullptr otherwise.
     int* dq_semaphore;

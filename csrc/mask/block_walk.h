@@ -15,7 +15,7 @@ struct TileCompare {
 
 __device__ __forceinline__ TileCompare tile_compare(const int* bnd, int r0, int r1, int c0, int block_n, int sk,
                                                     bool causal, int causal_offset) {
-    TileCompare t{false, c0 + block_n > sk, false};  // keys past the end
+    TileCompare t{false, c0 + block_n > sk, false};                // keys past the end
     if (causal) t.edges |= c0 + block_n - 1 > r0 + causal_offset;  // crosses the diagonal
     if (bnd != nullptr) t.intervals = classify_tile(bnd, r0, r1).partial;
     t.any = t.intervals || t.edges;

@@ -82,7 +82,8 @@ __global__ void tile_work_kernel(const int* __restrict__ bounds, int* __restrict
 // One warp per key block: the number of query blocks of block_m rows that see any of its keys
 // (what the backward's walk visits).
 __global__ void key_block_work_kernel(const int* __restrict__ bounds, int* __restrict__ work, int total_blocks,
-                                      int n_blocks, int m_blocks, int block_m, int block_n, int sq, int sk, bool causal) {
+                                      int n_blocks, int m_blocks, int block_m, int block_n, int sq, int sk,
+                                      bool causal) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= total_blocks) return;
@@ -107,16 +108,16 @@ void launch_work(const int* bounds, int* work, int* floors, int batch_heads, int
     const int grid = (total * 32 + kThreads - 1) / kThreads;
     if (key_blocks) {
         key_block_work_kernel<<<grid, kThreads, 0, stream>>>(bounds, work, total, n_blocks, m_tiles, block_m, block_n,
-                                                              sq, sk, causal);
+                                                             sq, sk, causal);
     } else {
-        tile_work_kernel<<<grid, kThreads, 0, stream>>>(bounds, work, floors, total, n_blocks, m_tiles, block_m, block_n,
-                                                         sq, sk, causal);
+        tile_work_kernel<<<grid, kThreads, 0, stream>>>(bounds, work, floors, total, n_blocks, m_tiles, block_m,
+                                                        block_n, sq, sk, causal);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
-                        int block_n, cudaStream_t stream) {
+void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq, int block_n,
+                        cudaStream_t stream) {
     const int n_blocks = (sk + block_n - 1) / block_n;
     const int total = batch_heads * n_blocks;
     if (total == 0) return;

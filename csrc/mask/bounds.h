@@ -9,8 +9,8 @@
 namespace flashmask {
 
 // bounds [B, Hm, n_blocks, 8] <- min/max of each canonical vector over each block of block_n columns.
-void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq,
-                        int block_n, cudaStream_t stream);
+void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, int c, bool causal, int sq, int block_n,
+                        cudaStream_t stream);
 
 // work [B * Hm, m_tiles] <- the number of key blocks each query tile of block_m rows visits, and
 // floors [B * Hm, m_tiles] <- the lowest of them (n_blocks if none); with key_blocks, work

@@ -47,17 +47,19 @@ __device__ __forceinline__ void mask_key_column(S& s, Coords const& coords, int 
         if constexpr (kEdges) masked = col >= sk || (Is_causal && col > row + causal_offset);
         if constexpr (kIntervals) masked |= row_masked<Is_causal, kMaskC>(vals, row);
         if (masked) {
-            if constexpr (kKeyRows) s(ki, qi) = -INFINITY;
-            else s(qi, ki) = -INFINITY;
+            if constexpr (kKeyRows)
+                s(ki, qi) = -INFINITY;
+            else
+                s(qi, ki) = -INFINITY;
         }
     }
 }
 
 template <bool Is_causal, int kMaskC, bool kIntervals, bool kEdges, bool kKeyRows, typename S, typename Coords>
-__device__ __forceinline__ void mask_scores_with(S& s, Coords const& coords, int r0, int c0, int sk,
-                                                 int causal_offset, const int* smem_mask) {
+__device__ __forceinline__ void mask_scores_with(S& s, Coords const& coords, int r0, int c0, int sk, int causal_offset,
+                                                 const int* smem_mask) {
     CUTE_UNROLL  // the outer loop runs over keys: one read of each key's values
-    for (int ki = 0; ki < cute::size<kKeyRows ? 0 : 1>(s); ++ki) {
+        for (int ki = 0; ki < cute::size<kKeyRows ? 0 : 1>(s); ++ki) {
         mask_key_column<Is_causal, kMaskC, kIntervals, kEdges, kKeyRows>(s, coords, ki, r0, c0, sk, causal_offset,
                                                                          smem_mask);
     }
@@ -119,8 +121,8 @@ __device__ __forceinline__ void mask_scores_by_quarter(S& s, Coords const& coord
         if ((seen_lanes & lanes) != lanes && (hidden_lanes & lanes) != lanes) {
             CUTE_UNROLL
             for (int ki = 8 * q; ki < 8 * q + 8; ++ki) {
-                mask_key_column<Is_causal, kMaskC, kIntervals, kEdges, false>(s, coords, ki, r0, c0, sk,
-                                                                              causal_offset, smem_mask);
+                mask_key_column<Is_causal, kMaskC, kIntervals, kEdges, false>(s, coords, ki, r0, c0, sk, causal_offset,
+                                                                              smem_mask);
             }
         }
     }
@@ -163,11 +165,15 @@ __device__ __forceinline__ void mask_scores(S& s, Coords const& coords, const Ti
                     s, coords, r0, c0, sk, causal_offset, smem_mask);
             };
             if (kQuarters && tight) {
-                if (t.edges) with(std::true_type{}, std::bool_constant<kQuarters>{});
-                else with(std::false_type{}, std::bool_constant<kQuarters>{});
+                if (t.edges)
+                    with(std::true_type{}, std::bool_constant<kQuarters>{});
+                else
+                    with(std::false_type{}, std::bool_constant<kQuarters>{});
             } else {
-                if (t.edges) with(std::true_type{}, std::false_type{});
-                else with(std::false_type{}, std::false_type{});
+                if (t.edges)
+                    with(std::true_type{}, std::false_type{});
+                else
+                    with(std::false_type{}, std::false_type{});
             }
             return;
         }

@@ -53,11 +53,15 @@ __host__ __device__ inline bool bounds_tight(const int* b, int rows) {
 template <bool Is_causal, int kC>
 __host__ __device__ __forceinline__ bool row_masked(const int (&v)[kC], int row) {
     if constexpr (Is_causal) {
-        if constexpr (kC == 1) return row >= v[0];
-        else return row >= v[0] && row < v[1];
+        if constexpr (kC == 1)
+            return row >= v[0];
+        else
+            return row >= v[0] && row < v[1];
     } else {
-        if constexpr (kC == 2) return row >= v[0] || row < v[1];
-        else return (row >= v[0] && row < v[1]) || (row >= v[2] && row < v[3]);
+        if constexpr (kC == 2)
+            return row >= v[0] || row < v[1];
+        else
+            return (row >= v[0] && row < v[1]) || (row >= v[2] && row < v[3]);
     }
 }
 
@@ -76,11 +80,15 @@ __host__ __device__ __forceinline__ RowSpanMask rows_masked(const int (&v)[kC], 
     const auto below = [&](int hi) { return RowSpanMask{b < hi, a >= hi}; };
     const auto either = [](RowSpanMask x, RowSpanMask y) { return RowSpanMask{x.all || y.all, x.none && y.none}; };
     if constexpr (Is_causal) {
-        if constexpr (kC == 1) return from(v[0]);
-        else return within(v[0], v[1]);
+        if constexpr (kC == 1)
+            return from(v[0]);
+        else
+            return within(v[0], v[1]);
     } else {
-        if constexpr (kC == 2) return either(from(v[0]), below(v[1]));
-        else return either(within(v[0], v[1]), within(v[2], v[3]));
+        if constexpr (kC == 2)
+            return either(from(v[0]), below(v[1]));
+        else
+            return either(within(v[0], v[1]), within(v[2], v[3]));
     }
 }
 

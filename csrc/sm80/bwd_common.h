@@ -63,8 +63,11 @@ struct BwdSmemCopies {
     Thr<CopyC> thr_c;
 
     __forceinline__ __device__ explicit BwdSmemCopies(int tidx)
-        : thr_sdp_a(sdp_a.get_thread_slice(tidx)), thr_sdp_b(sdp_b.get_thread_slice(tidx)),
-          thr_q_a(q_a.get_thread_slice(tidx)), thr_q_b(q_b.get_thread_slice(tidx)), thr_c(c.get_thread_slice(tidx)) {}
+        : thr_sdp_a(sdp_a.get_thread_slice(tidx)),
+          thr_sdp_b(sdp_b.get_thread_slice(tidx)),
+          thr_q_a(q_a.get_thread_slice(tidx)),
+          thr_q_b(q_b.get_thread_slice(tidx)),
+          thr_c(c.get_thread_slice(tidx)) {}
 };
 
 // The LSE (in log2 units) and D of the rows a thread holds in a score tile, in registers; rows

@@ -66,8 +66,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
         auto gmem_thr = gmem_copy.get_thread_slice(tidx);
         Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(TileKV{}));
         Tensor tQc = gmem_thr.partition_S(make_identity_tensor(TileQ{}));
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.q, p.q_row_stride, r0)), gmem_thr.partition_D(sQ),
-                   tQc, r1 - r0, p.d);
+        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.q, p.q_row_stride, r0)),
+                   gmem_thr.partition_D(sQ), tQc, r1 - r0, p.d);
         copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.dout, p.do_row_stride, r0)),
                    gmem_thr.partition_D(sdO), tQc, r1 - r0, p.d);
 
@@ -92,10 +92,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
             const int c0 = n_block * kBlockN;
             const TileCompare compare = walk.compare(n_block, bnd);
             bnd = walk.bounds_of(n_block - 1);  // used after the GEMMs, which hide the load
-            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)), gmem_thr.partition_D(sK),
-                       tKVc, p.sk - c0, p.d);
-            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.v, p.v_row_stride, c0)), gmem_thr.partition_D(sV),
-                       tKVc, p.sk - c0, p.d);
+            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)),
+                       gmem_thr.partition_D(sK), tKVc, p.sk - c0, p.d);
+            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.v, p.v_row_stride, c0)),
+                       gmem_thr.partition_D(sV), tKVc, p.sk - c0, p.d);
             if (Has_mask && compare.intervals) {
                 stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask.cols, c0, p.sk, tidx);
             }
@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
             gemm_ss(acc_dp, tSrdO, tSrV, tSsdO, tSsV, mma_sdp, cp.sdp_a, cp.sdp_b, cp.thr_sdp_a, cp.thr_sdp_b);
             Tensor s_rc = rowcol(acc_s);
             Tensor dp_rc = rowcol(acc_dp);
-            if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, walk.causal_offset, smem_mask);
+            if (compare.any)
+                mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, walk.causal_offset, smem_mask);
             probs(s_rc, rows, p.scale_log2);
             dscores(dp_rc, s_rc, rows);
             Tensor rdS = convert_to<Element>(acc_dp);
@@ -125,10 +126,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
 
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
-    Element* dq_ptr = reinterpret_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + int64_t(r0) * p.dq_row_stride;
+    Element* dq_ptr =
+        reinterpret_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + int64_t(r0) * p.dq_row_stride;
     Tensor gdQ = make_tensor(make_gmem_ptr(dq_ptr), TileQ{}, make_stride(p.dq_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dq, mma_q, sQ, gdQ,
-                                                                                        r1 - r0, p.d, tidx);
+                                                                                           r1 - r0, p.d, tidx);
 }
 
 }  // namespace flashmask::sm80

@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
         Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(TileKV{}));
         Tensor tQc = gmem_thr.partition_S(make_identity_tensor(TileQ{}));
         auto sQ_at = [&](Element* base, int stage) {
-            return make_tensor(make_smem_ptr(base + stage * cosize_v<typename Traits::SmemLayoutQ>), typename Traits::SmemLayoutQ{});
+            return make_tensor(make_smem_ptr(base + stage * cosize_v<typename Traits::SmemLayoutQ>),
+                               typename Traits::SmemLayoutQ{});
         };
         auto load_q_do = [&](int m, int stage) {
             const int rows = p.sq - m * kBlockM;
@@ -111,15 +112,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             if (tidx < 2 * kBlockM) {
                 const int row = m * kBlockM + tidx % kBlockM;
                 const bool is_d = tidx >= kBlockM;
-                if (row < p.sq) cp_async_4(smem_rows + tidx, (is_d ? head.dsum : head.lse) + row, true);
-                else smem_rows[tidx] = is_d ? 0.f : INFINITY;  // P = 0 on rows past the end
+                if (row < p.sq)
+                    cp_async_4(smem_rows + tidx, (is_d ? head.dsum : head.lse) + row, true);
+                else
+                    smem_rows[tidx] = is_d ? 0.f : INFINITY;  // P = 0 on rows past the end
             }
         };
         const int n_valid = p.sk - c0;
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)), gmem_thr.partition_D(sK),
-                   tKVc, n_valid, p.d);
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.v, p.v_row_stride, c0)), gmem_thr.partition_D(sV),
-                   tKVc, n_valid, p.d);
+        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)),
+                   gmem_thr.partition_D(sK), tKVc, n_valid, p.d);
+        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.v, p.v_row_stride, c0)),
+                   gmem_thr.partition_D(sV), tKVc, n_valid, p.d);
         if (Has_mask) stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask.cols, c0, p.sk, tidx);
         load_q_do(m_block, 0);
         load_rows(m_block);
@@ -220,14 +223,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     // block that no query sees writes zeros.
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
-    Element* dk_ptr = reinterpret_cast<Element*>(p.dk) + b * p.dk_batch_stride + h * p.dk_head_stride + int64_t(c0) * p.dk_row_stride;
-    Element* dv_ptr = reinterpret_cast<Element*>(p.dv) + b * p.dv_batch_stride + h * p.dv_head_stride + int64_t(c0) * p.dv_row_stride;
+    Element* dk_ptr =
+        reinterpret_cast<Element*>(p.dk) + b * p.dk_batch_stride + h * p.dk_head_stride + int64_t(c0) * p.dk_row_stride;
+    Element* dv_ptr =
+        reinterpret_cast<Element*>(p.dv) + b * p.dv_batch_stride + h * p.dv_head_stride + int64_t(c0) * p.dv_row_stride;
     Tensor gdK = make_tensor(make_gmem_ptr(dk_ptr), TileKV{}, make_stride(p.dk_row_stride, _1{}));
     Tensor gdV = make_tensor(make_gmem_ptr(dv_ptr), TileKV{}, make_stride(p.dv_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dk, mma_kv, sK, gdK,
-                                                                                        p.sk - c0, p.d, tidx);
+                                                                                           p.sk - c0, p.d, tidx);
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dv, mma_kv, sV, gdV,
-                                                                                        p.sk - c0, p.d, tidx);
+                                                                                           p.sk - c0, p.d, tidx);
 }
 
 }  // namespace flashmask::sm80

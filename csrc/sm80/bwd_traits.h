@@ -26,22 +26,28 @@ struct BwdTraits : TileCopies<kHeadDim_, Element_, bwd_tile(kHeadDim_).warps * 3
                                       cute::Tile<cute::_64, cute::Int<16 * kNWarps / 4>, cute::_16>>;
     // dQ = dS K over (BlockM, D): 2 x 4 warps, or 4 x 2 where D is not a multiple of 64.
     static constexpr int kWarpsMQ = kHeadDim % 64 == 0 ? 2 : 4;
-    using TiledMmaQ = cute::TiledMMA<Atom, cute::Layout<cute::Shape<cute::Int<kWarpsMQ>, cute::Int<kNWarps / kWarpsMQ>, cute::_1>>,
-                                     cute::Tile<cute::Int<16 * kWarpsMQ>, cute::Int<16 * kNWarps / kWarpsMQ>, cute::_16>>;
+    using TiledMmaQ =
+        cute::TiledMMA<Atom, cute::Layout<cute::Shape<cute::Int<kWarpsMQ>, cute::Int<kNWarps / kWarpsMQ>, cute::_1>>,
+                       cute::Tile<cute::Int<16 * kWarpsMQ>, cute::Int<16 * kNWarps / kWarpsMQ>, cute::_16>>;
 
-    using SmemLayoutQ = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutQ = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
+                                                     cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
+                                                      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
     // Transposed views: Q^T and dO^T (B operands of dK, dV), K^T (B operand of dQ).
     using SmemLayoutQt = decltype(cute::composition(
         SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
     using SmemLayoutKt = decltype(cute::composition(
-        SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+        SmemLayoutKV{},
+        cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
     // P and dS (BlockM, BlockN), and their transposes (A operands of dV and dK).
     using SmemLayoutAtomPdS = decltype(cute::composition(
         cute::Swizzle<3, 3, 3>{}, cute::Layout<cute::Shape<cute::_8, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
-    using SmemLayoutPdS = decltype(cute::tile_to_shape(SmemLayoutAtomPdS{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+    using SmemLayoutPdS =
+        decltype(cute::tile_to_shape(SmemLayoutAtomPdS{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
     using SmemLayoutPdSt = decltype(cute::composition(
-        SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+        SmemLayoutPdS{},
+        cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
 
     static constexpr int kSmemQBytes = int(cute::cosize_v<SmemLayoutQ>) * int(sizeof(Element));
     static constexpr int kSmemKVBytes = int(cute::cosize_v<SmemLayoutKV>) * int(sizeof(Element));

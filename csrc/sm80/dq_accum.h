@@ -29,7 +29,8 @@ __forceinline__ __device__ void atomic_add_tile(float* tile, Acc const& acc, int
     for (int j = 0; j < kChunks; ++j) {
         float* dst = tile + (j * kThreads + tidx) * 4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float4*>(dst), make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)));
+        atomicAdd(reinterpret_cast<float4*>(dst),
+                  make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3)));
 #else
         CUTE_UNROLL
         for (int e = 0; e < 4; ++e) atomicAdd(dst + e, acc(4 * j + e));
@@ -59,10 +60,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) dq_convert_kernel(const Bwd
         acc(4 * j + 3) = v.w * p.softmax_scale;
     }
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-    Element* dq_ptr = reinterpret_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + int64_t(r0) * p.dq_row_stride;
+    Element* dq_ptr =
+        reinterpret_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + int64_t(r0) * p.dq_row_stride;
     Tensor gdQ = make_tensor(make_gmem_ptr(dq_ptr), TileQ{}, make_stride(p.dq_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc, mma_q, sQ, gdQ,
-                                                                                        p.sq - r0, p.d, tidx);
+                                                                                           p.sq - r0, p.d, tidx);
 }
 
 }  // namespace flashmask::sm80

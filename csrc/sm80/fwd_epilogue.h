@@ -16,7 +16,7 @@ __forceinline__ __device__ void write_output(FwdOutput<Element> const& out, Acc 
     Tensor gO = make_tensor(make_gmem_ptr(out.o + r0 * out.row_stride), typename Traits::TileQ{},
                             make_stride(out.row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_o, mma, sTile, gO,
-                                                                                      r1 - r0, out.d, tidx);
+                                                                                           r1 - r0, out.d, tidx);
     out.write_lse(coords, row_lse, r0, r1, tidx);
 }
 

@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
         Tensor s_rc = rowcol(acc_s);
         if (compare.any) {
-            mask_scores<Is_causal, kMaskC>(s_rc, rowcol(tScS), compare, r0, n_block * kBlockN, p.sk,
-                                           walk.causal_offset, smem_mask);
+            mask_scores<Is_causal, kMaskC>(s_rc, rowcol(tScS), compare, r0, n_block * kBlockN, p.sk, walk.causal_offset,
+                                           smem_mask);
         }
         Tensor o_rc = rowcol(acc_o);
         softmax.update(s_rc, o_rc, p.scale_log2);

@@ -9,9 +9,16 @@
 
 namespace flashmask::sm80 {
 
-template <typename Element> struct MmaAtomFor;
-template <> struct MmaAtomFor<cutlass::half_t> { using type = cute::SM80_16x8x16_F32F16F16F32_TN; };
-template <> struct MmaAtomFor<cutlass::bfloat16_t> { using type = cute::SM80_16x8x16_F32BF16BF16F32_TN; };
+template <typename Element>
+struct MmaAtomFor;
+template <>
+struct MmaAtomFor<cutlass::half_t> {
+    using type = cute::SM80_16x8x16_F32F16F16F32_TN;
+};
+template <>
+struct MmaAtomFor<cutlass::bfloat16_t> {
+    using type = cute::SM80_16x8x16_F32BF16BF16F32_TN;
+};
 
 // The shared-memory layout of (rows, head dim) tiles and the copies that fill and drain them,
 // common to every kernel. Rows are cut into 64- (or 32-) element chunks, XOR-swizzled so that the
@@ -32,8 +39,9 @@ struct TileCopies {
     // Global <-> shared: 16 bytes per thread per copy; loads zero-fill outside the tensor.
     static constexpr int kGmemElemsPerLoad = 16 / sizeof(Element);
     static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
-    using GmemLayoutAtom = cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
-                                        cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
+    using GmemLayoutAtom =
+        cute::Layout<cute::Shape<cute::Int<kNThreads / kGmemThreadsPerRow>, cute::Int<kGmemThreadsPerRow>>,
+                     cute::Stride<cute::Int<kGmemThreadsPerRow>, cute::_1>>;
     using GmemTiledCopy = decltype(cute::make_tiled_copy(
         cute::Copy_Atom<cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
         cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
@@ -60,11 +68,14 @@ struct FwdTraits : TileCopies<kHeadDim_, Element_, fwd_tile(kHeadDim_).warps * 3
                                     cute::Layout<cute::Shape<cute::Int<kNWarps>, cute::_1, cute::_1>>,
                                     cute::Tile<cute::Int<16 * kNWarps>, cute::_16, cute::_16>>;
 
-    using SmemLayoutQ = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutQ = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
+                                                     cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
+                                                      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
     // V seen as (head dim, key): the B operand of P * V, read with transposing ldmatrix.
     using SmemLayoutVt = decltype(cute::composition(
-        SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+        SmemLayoutKV{},
+        cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
     // The raw [BlockN, C] mask columns of one key block, staged for partially masked tiles.
     static constexpr int kSmemMaskInts = 4 * kBlockN;

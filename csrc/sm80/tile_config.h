@@ -9,17 +9,13 @@ struct FwdTile {
     int block_m, block_n, warps;
 };
 constexpr FwdTile fwd_tile(int head_dim) {
-    return head_dim <= 64 ? FwdTile{128, 128, 4}
-         : head_dim <= 128 ? FwdTile{128, 64, 4}
-         : FwdTile{128, 64, 8};
+    return head_dim <= 64 ? FwdTile{128, 128, 4} : head_dim <= 128 ? FwdTile{128, 64, 4} : FwdTile{128, 64, 8};
 }
 
 // Backward tile: BlockM query rows against BlockN keys (the K/V block a CTA owns), 8 warps.
 struct BwdTile {
     int block_m, block_n, warps;
 };
-constexpr BwdTile bwd_tile(int head_dim) {
-    return head_dim <= 128 ? BwdTile{64, 128, 8} : BwdTile{64, 64, 8};
-}
+constexpr BwdTile bwd_tile(int head_dim) { return head_dim <= 128 ? BwdTile{64, 128, 8} : BwdTile{64, 64, 8}; }
 
 }  // namespace flashmask::sm80

@@ -31,8 +31,8 @@ __forceinline__ __device__ constexpr auto acc_as_a_layout(Layout l) {
 }
 
 // acc += A * B with both operands read from shared memory by ldmatrix, one k-slice ahead of the MMAs.
-template <typename Acc, typename RA, typename RB, typename SA, typename SB, typename TiledMma,
-          typename CopyA, typename CopyB, typename ThrCopyA, typename ThrCopyB>
+template <typename Acc, typename RA, typename RB, typename SA, typename SB, typename TiledMma, typename CopyA,
+          typename CopyB, typename ThrCopyA, typename ThrCopyB>
 __forceinline__ __device__ void gemm_ss(Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB, TiledMma const& mma,
                                         CopyA const& copy_a, CopyB const& copy_b, ThrCopyA const& thr_a,
                                         ThrCopyB const& thr_b) {
@@ -66,8 +66,8 @@ __forceinline__ __device__ void gemm_rs(Acc& acc, RA const& rA, RB& rB, SB const
 // Copies a (rows, cols) tile partitioned by a zero-filling cp.async TiledCopy: vectors whose row is
 // >= max_rows or whose column is >= max_cols are not read and land as zeros in shared memory.
 template <typename TiledCopy, typename Src, typename Dst, typename Coords>
-__forceinline__ __device__ void copy_zfill(TiledCopy const& tiled_copy, Src const& src, Dst&& dst,
-                                           Coords const& coords, int max_rows, int max_cols) {
+__forceinline__ __device__ void copy_zfill(TiledCopy const& tiled_copy, Src const& src, Dst&& dst, Coords const& coords,
+                                           int max_rows, int max_cols) {
     CUTE_UNROLL
     for (int m = 0; m < size<1>(src); ++m) {
         CUTE_UNROLL
@@ -84,8 +84,8 @@ __forceinline__ __device__ void copy_zfill(TiledCopy const& tiled_copy, Src cons
 // stores of the rows < max_rows and columns < max_cols.
 template <typename SmemCopyAtom, typename GmemTiledCopy, typename Element, typename Acc, typename TiledMma,
           typename STile, typename GTile>
-__forceinline__ __device__ void store_tile(Acc const& acc, TiledMma const& mma, STile& sTile, GTile& gTile, int max_rows,
-                                           int max_cols, int tidx) {
+__forceinline__ __device__ void store_tile(Acc const& acc, TiledMma const& mma, STile& sTile, GTile& gTile,
+                                           int max_rows, int max_cols, int tidx) {
     auto smem_copy = make_tiled_copy_C(SmemCopyAtom{}, mma);
     auto smem_thr = smem_copy.get_thread_slice(tidx);
     Tensor r = convert_to<Element>(acc);

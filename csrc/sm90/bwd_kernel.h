@@ -50,7 +50,7 @@ constexpr int kBwdStagedBarrier = 1;
 constexpr int kBwdDsBarrier = 2;
 constexpr int kBwdDqFullBarrier = 3;
 constexpr int kBwdDqEmptyBarrier = 4;
-constexpr int kBwdStoreBarrier = 5;  // 5 and 6: each consumer warpgroup's dK and dV buffers
+constexpr int kBwdStoreBarrier = 5;    // 5 and 6: each consumer warpgroup's dK and dV buffers
 constexpr int kBwdDqFullBarrier2 = 8;  // 8 and 9: the full barriers of the second and third dQ warps
 
 // dst[0, bytes) += src[0, bytes) in fp32, by the TMA unit (a bulk reduction; part of the issuing
@@ -107,7 +107,7 @@ __device__ bool dq_warp(const BwdParams& p, const Job& job, float* smem_dq, int 
         const int m_next = job.next(m);
         const bool last = !job.valid(m_next);
         if (k % kDqWarps == slot) {
-            if (sem != nullptr) {  // while the consumers compute this block's dQ
+            if (sem != nullptr) {                                   // while the consumers compute this block's dQ
                 const int previous = job.walk.previous_visitor(m);  // the whole warp
                 if (lane == 0) wait_turn(sem + m, previous + 1);
             }
@@ -145,8 +145,13 @@ struct KeyJob {
     QueryBlockWalk<Traits::kBlockM, Traits::kBlockN, Is_causal, Has_mask> walk;
 
     __device__ KeyJob(const BwdParams& p, const BwdJob& job)
-        : n_block(job.n_block), h(job.h), b(job.b), kv_h(job.h / p.q_per_kv_head), c0(job.n_block * Traits::kBlockN),
-          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM), down(p.dq_semaphore != nullptr),
+        : n_block(job.n_block),
+          h(job.h),
+          b(job.b),
+          kv_h(job.h / p.q_per_kv_head),
+          c0(job.n_block * Traits::kBlockN),
+          m_end((p.sq + Traits::kBlockM - 1) / Traits::kBlockM),
+          down(p.dq_semaphore != nullptr),
           mask(mask_head(p, job.b, job.h)),
           walk{Has_mask ? mask.bounds + job.n_block * kNumBounds : nullptr, c0, p.sq, p.sk, p.sk - p.sq, m_end} {
         // The deterministic walk's direction, one per head (jobs of both directions side by side
@@ -163,11 +168,17 @@ struct KeyJob {
     }
     // The walk of key block n of this job's (batch, head), whose bounds lie next to this block's.
     __device__ decltype(walk) walk_of(const BwdParams& p, int n) const {
-        return {Has_mask ? walk.bnd + (n - n_block) * kNumBounds : nullptr, n * Traits::kBlockN, p.sq, p.sk,
-                p.sk - p.sq, m_end};
+        return {Has_mask ? walk.bnd + (n - n_block) * kNumBounds : nullptr,
+                n * Traits::kBlockN,
+                p.sq,
+                p.sk,
+                p.sk - p.sq,
+                m_end};
     }
     // The visible query block after m in the walk's direction; valid() once past the last.
-    __device__ int next(int m) const { return down ? walk.visible_at_or_below(m - 1) : walk.visible_at_or_above(m + 1); }
+    __device__ int next(int m) const {
+        return down ? walk.visible_at_or_below(m - 1) : walk.visible_at_or_above(m + 1);
+    }
     __device__ bool valid(int m) const { return m >= 0 && m < m_end; }
     __device__ bool empty() const { return !valid(m_first); }
 };
@@ -244,10 +255,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             Tensor gdO = local_tile(mdO(_, _, job.h, job.b), typename Traits::TileQ{}, make_coord(_, _0{}));
             Tensor gK = local_tile(mK(_, _, job.kv_h, job.b), typename Traits::TileKV{}, make_coord(job.n_block, _0{}));
             Tensor gV = local_tile(mV(_, _, job.kv_h, job.b), typename Traits::TileKV{}, make_coord(job.n_block, _0{}));
-            auto [tQg, tQs] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-            auto [tdOg, tdOs] = tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-            auto [tKg, tKs] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-            auto [tVg, tVs] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+            auto [tQg, tQs] =
+                tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+            auto [tdOg, tdOs] =
+                tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+            auto [tKg, tKs] =
+                tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+            auto [tVg, tVs] =
+                tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
             if (kv_loaded) {
                 shared.kv_free.wait(kv_free_phase);
                 kv_free_phase ^= 1;
@@ -303,7 +318,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     // arithmetic per element).
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
-    Tensor tDSsdSt = thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
+    Tensor tDSsdSt =
+        thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);
     Tensor tSrV = thr_sdp.partition_fragment_A(sV);
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
@@ -335,7 +351,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
             // The interval values of this job's keys, for every partial tile. (The last job's
             // readers of them all passed its final dQ hand-over.)
             if constexpr (Has_mask) {
-                stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, job.mask.cols, c0, p.sk, ctid);
+                stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, job.mask.cols, c0, p.sk,
+                                                                              ctid);
                 cp_async_fence();
                 cp_async_wait<0>();
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
@@ -459,7 +476,8 @@ __global__ void dq_convert_kernel(const BwdParams p) {
     __shared__ alignas(16) Element tile[kBlockM * kPitch];
     const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     typename Traits::TiledMmaQ mma_q;
-    const Tensor coords = mma_q.get_thread_slice(threadIdx.x).partition_C(make_identity_tensor(typename Traits::TileQ{}));
+    const Tensor coords =
+        mma_q.get_thread_slice(threadIdx.x).partition_C(make_identity_tensor(typename Traits::TileQ{}));
     const int64_t index = (int64_t(b) * p.hq + h) * gridDim.x + m;
     const float4* src = reinterpret_cast<const float4*>(p.dq_accum + index * kBlockM * kHeadDim) + threadIdx.x;
     CUTE_UNROLL

@@ -48,21 +48,23 @@ struct BwdTraits {
                                    cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
         AtomKeys{}));
     using TiledMmaQ = decltype(cute::make_tiled_mma(
-        cute::GMMA::ss_op_selector<Element, Element, float,
-                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>,
-                                               cute::Int<kBlockN>>,
-                                   cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+        cute::GMMA::ss_op_selector<
+            Element, Element, float,
+            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>,
+            cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
         cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>{}));
 
     template <int kRows, int kCols>
-    using KMajorAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                cute::GMMA::Major::K, Element, cute::Int<kRows>, cute::Int<kCols>>());
+    using KMajorAtom =
+        decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kRows>,
+                                                                     cute::Int<kCols>>());
     // Q and dO: (queries, head dim, stage); their transposes are the B operands of dK and dV.
     using SmemLayoutQ = decltype(cute::tile_to_shape(
         KMajorAtom<kBlockM, kHeadDim>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
     using SmemLayoutQt = decltype(cute::composition(
-        SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
-                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+        SmemLayoutQ{},
+        cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
     // K and V: (keys, head dim); K^T is the B operand of dQ.
     using SmemLayoutKV = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kHeadDim>{}, TileKV{}));
     using SmemLayoutKt = decltype(cute::composition(
@@ -101,7 +103,7 @@ struct BwdTraits {
         alignas(1024) float dq[kBlockM * kHeadDim];
         // A query block's LSE * log2(e) and D, loaded with its Q and dO (one per pipeline stage).
         alignas(16) float row_stats[kStages][2][kBlockM];
-        int tickets[kTickets];  // the query blocks the producer has queued (bwd_kernel.h)
+        int tickets[kTickets];                   // the query blocks the producer has queued (bwd_kernel.h)
         alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
         cutlass::arch::ClusterTransactionBarrier barrier_kv;
         cutlass::arch::ClusterBarrier kv_free;  // the consumers are done with a job's K and V

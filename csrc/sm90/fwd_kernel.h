@@ -150,8 +150,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
         if (warp != 0) return;
         // The load warp's next job: from the decode warp, or drawn and decoded here.
         auto next_job = [&](bool first, int& n_top) {
-            if constexpr (kDecodeWarp) return shared.hand_over.take(n_top);
-            else return decode(first ? scheduler.first() : scheduler.draw(p), n_top);
+            if constexpr (kDecodeWarp)
+                return shared.hand_over.take(n_top);
+            else
+                return decode(first ? scheduler.first() : scheduler.draw(p), n_top);
         };
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));

@@ -19,14 +19,18 @@ template <int kHeadDim, typename Element>
 void run_fwd(const AttnParams& p, cudaStream_t stream) {
     using namespace cute;
     using Traits = FwdTraits<kHeadDim, Element>;
-    const auto gq = tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-    const auto gk = tma_view<Element, kHeadDim>(p.k, p.sk, p.d, p.hk, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-    const auto gv = tma_view<Element, kHeadDim>(p.v, p.sk, p.d, p.hk, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+    const auto gq =
+        tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+    const auto gk =
+        tma_view<Element, kHeadDim>(p.k, p.sk, p.d, p.hk, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+    const auto gv =
+        tma_view<Element, kHeadDim>(p.v, p.sk, p.d, p.hk, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
     const auto sKV = take<0, 2>(typename Traits::SmemLayoutKV{});
     auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, typename Traits::SmemLayoutQ{}, typename Traits::TileQ{}, _1{});
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, sKV, typename Traits::TileKV{}, _1{});
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, sKV, typename Traits::TileKV{}, _1{});
-    const auto go = tma_view<Element, kHeadDim>(p.o, p.sq, p.d, p.hq, p.b, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
+    const auto go =
+        tma_view<Element, kHeadDim>(p.o, p.sq, p.d, p.hq, p.b, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
     auto tma_o = Traits::OutStore::make_tma(go);
     using Args = FwdArgs<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
     const Args args{p, tma_q, tma_k, tma_v, tma_o};
@@ -34,9 +38,10 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     const int64_t jobs = int64_t((p.sq + Traits::kBlockM - 1) / Traits::kBlockM) * p.hq * p.b;
     TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 forward needs a job counter");
     TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (query tile, head, batch) jobs for one launch");
-    TORCH_CHECK((int64_t(p.sk) + Traits::kBlockN - 1) / Traits::kBlockN <= GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks,
-                "flashmask: Sk = ", p.sk, " is past what the SM90 forward's block tickets index (",
-                int64_t(GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks) * Traits::kBlockN, " keys)");
+    TORCH_CHECK(
+        (int64_t(p.sk) + Traits::kBlockN - 1) / Traits::kBlockN <= GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks,
+        "flashmask: Sk = ", p.sk, " is past what the SM90 forward's block tickets index (",
+        int64_t(GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks) * Traits::kBlockN, " keys)");
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const dim3 grid(unsigned(std::min<int64_t>(jobs, sms)));
     constexpr int kDecodeWarpKeys = fwd_tile(kHeadDim).decode_warp_keys;
@@ -50,8 +55,8 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
                 return;
             }
         }
-        launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, false>, grid, Traits::kNThreads,
-                         Traits::kSmemBytes, args, stream);
+        launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, false>, grid, Traits::kNThreads, Traits::kSmemBytes,
+                         args, stream);
     });
 }
 

@@ -66,8 +66,9 @@ struct FwdTraits {
         cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
     // V as (head dim, key, stage): the B operand of P V.
     using SmemLayoutVt = decltype(cute::composition(
-        SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
-                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
+        SmemLayoutKV{},
+        cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
     // The output, through one shared-memory buffer per consumer warpgroup (tile_store.h).
     using OutStore = WarpgroupRowsStore<Element, kHeadDim>;

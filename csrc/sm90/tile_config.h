@@ -36,8 +36,8 @@ constexpr FwdTile fwd_tile(int head_dim) {
         // GEMMs half as long next to the same softmax: a third warpgroup keeps the tensor cores fed.
         t.consumer_warpgroups = 3;
         t.block_m = 192;
-        t.stages = 4;    // the three warpgroups work up to two blocks apart; a stage frees once all are done
-        t.q_stages = 2;  // short jobs (a window's few blocks) do not wait for their Q
+        t.stages = 4;               // the three warpgroups work up to two blocks apart; a stage frees once all are done
+        t.q_stages = 2;             // short jobs (a window's few blocks) do not wait for their Q
         t.producer_registers = 32;  // 24 made the block walk spill; 128 * 32 + 384 * 160 still fits
         t.consumer_registers = 160;
         t.decode_warp_keys = 65536;  // hides each job's dependent loads, which only long keys expose
@@ -47,8 +47,8 @@ constexpr FwdTile fwd_tile(int head_dim) {
         // The pingpong: one warpgroup's softmax runs under the other's GEMMs.
         t.consumer_warpgroups = 2;
         t.block_m = 128;
-        t.stages = 2;    // no shared memory for more at this head dim
-        t.q_stages = 1;  // nor for a second Q buffer
+        t.stages = 2;               // no shared memory for more at this head dim
+        t.q_stages = 1;             // nor for a second Q buffer
         t.producer_registers = 24;  // 32 does not fit beside two warpgroups of 240
         t.consumer_registers = 240;
         t.decode_warp_keys = 0;  // slower at this head dim

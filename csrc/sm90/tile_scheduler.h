@@ -54,7 +54,7 @@ __device__ __forceinline__ FwdSlot load_slot(const volatile FwdSlot& from) {
 // arrival each: `full` (a job is in) and `empty` (the load warp has read it).
 struct JobHandOver {
     FwdSlot slot;
-    int n_top;  // the job's highest visible key block, -1: none
+    int n_top;            // the job's highest visible key block, -1: none
     uint32_t take_phase;  // the load warp's phase of `full`, kept here: its registers are few
     uint64_t full, empty;
 
@@ -132,7 +132,8 @@ struct FwdScheduler {
     __device__ void publish(const FwdSlot& next, FwdSlot& slot, bool after_first) const {
         if (after_first) cutlass::arch::NamedBarrier::sync(kEmptyThreads, Barriers::kJobEmpty);
         if (threadIdx.x % 32 == 0) store_slot(slot, next);
-        for (int wg = 0; wg < kConsumerWarpgroups; ++wg) cutlass::arch::NamedBarrier::arrive(kFullThreads, Barriers::job_full(wg));
+        for (int wg = 0; wg < kConsumerWarpgroups; ++wg)
+            cutlass::arch::NamedBarrier::arrive(kFullThreads, Barriers::job_full(wg));
     }
 
     // Consumers, before their first job and after each: the next one. The slot is released only if

@@ -6,9 +6,10 @@ import re
 from tests import ROOT
 
 # Phrases that describe how the project was developed rather than what it is.
+# Written with \s+ so that this file does not itself hold the phrases it looks for.
 FORBIDDEN = re.compile(
-    r"device tool|\blead's\b|the (h100|h200|gpu) (machine|box)|\bthis session\b|\bsession \d+|"
-    r"\bthe issue\b(?! slots?)|carried wheels?|\bdevice_out\b",
+    r"device\s+tool|\blead[']s\b|the\s+(h100|h200|gpu)\s+(machine|box)|\bthis\s+session\b|\bsession\s+\d+|"
+    r"\bthe\s+issue\b(?! slots?)|carried\s+wheels?|\bdevice_out\b",
     re.IGNORECASE,
 )
 SKIP_DIRS = {"build", "dist", "runs", "__pycache__", "node_modules"}
@@ -41,7 +42,7 @@ def test_no_development_environment_wording():
 
 
 def test_the_pattern_catches_what_it_should():
-    for phrase in ("run it with the device tool", "the lead's GPU box", "on the H100 machine", "in session 24"):
+    for phrase in ("run it with the device  tool", "the lead" + "'s box", "on the H100  machine", "in session  24"):
         assert FORBIDDEN.search(phrase), phrase
-    for phrase in ("an H100 GPU", "the tile scheduler's ticket", "issue S = Q K^T", "the issue slots"):
+    for phrase in ("an H100 GPU", "the tile scheduler's ticket", "issue S = Q K^T", "the" + " issue slots"):
         assert not FORBIDDEN.search(phrase), phrase

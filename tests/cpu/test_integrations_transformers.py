@@ -483,3 +483,25 @@ def test_cu_seq_lens_must_cover_the_batch_exactly(cu, match, bsz):
         fm_hf.flashmask_attention_forward(m, q, k, v, None, cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t)
     good = torch.tensor([0, 8, 8, 32], dtype=torch.int32)  # a repeat is an empty document
     fm_hf.flashmask_attention_forward(m, q, k, v, None, cu_seq_lens_q=good, cu_seq_lens_k=good)
+
+
+def test_packed_position_ids_split_whatever_use_cache_eager_only_without_cache():
+    """What the README says to users comparing backends on a row packed by position_ids alone:
+    flashmask splits it with and without the cache, eager only with use_cache=False."""
+    fm, eager = make_model("llama"), make_model("llama", name="eager")
+    ids = torch.randint(0, VOCAB, (1, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        fm_cache, fm_plain = (fm(input_ids=ids, position_ids=pos, use_cache=c).logits for c in (True, False))
+        eager_cache, eager_plain = (eager(input_ids=ids, position_ids=pos, use_cache=c).logits for c in (True, False))
+    torch.testing.assert_close(fm_cache, fm_plain)
+    torch.testing.assert_close(fm_plain, eager_plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fm_cache[:, :5], eager_cache[:, :5], atol=1e-5, rtol=1e-5)  # the first document
+    assert (fm_cache[:, 5:] - eager_cache[:, 5:]).abs().max() > 1e-3  # eager's second document sees the first
+
+
+def test_from_config_sets_the_backend_on_the_config_passed():
+    cfg = transformers.LlamaConfig(**TINY)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
+    assert model.config._attn_implementation == NAME
+    assert cfg._attn_implementation == NAME  # the README's warning: copy the config per model

@@ -29,6 +29,7 @@ constexpr int kRescaleSlack = 8;
 
 template <int kRows>
 struct OnlineSoftmax {
+    static constexpr int kRowCount = kRows;  // rows of the accumulator each thread holds
     float row_max[kRows];
     float row_sum[kRows];
 

@@ -90,7 +90,7 @@ struct FwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>> o;
-        // The ring of queued key blocks (fwd_kernel.h): each one's ticket and, for a block the
+        // The ring of queued key blocks (fwd_producer.h): each one's ticket and, for a block the
         // intervals cut partly, its raw [BlockN, C] mask columns.
         int tickets[kSlots];
         alignas(16) int mask_cols[kSlots][4 * kBlockN];

@@ -1,0 +1,46 @@
+// The SM90 forward's epilogue: a consumer warpgroup's rows of a job, normalised, leave by TMA
+// store through the warpgroup's own shared-memory buffer (tile_store.h), which runs while the
+// warpgroup starts its next job; the LSE goes out from registers. A job with no visible key block
+// writes zeros and +inf (common/fwd_output.h).
+#pragma once
+#include <cute/tensor.hpp>
+
+#include "common/fwd_output.h"
+#include "common/params.h"
+#include "sm90/fwd_barriers.h"
+#include "sm90/wgmma_ops.h"
+
+namespace flashmask::sm90 {
+using namespace cute;
+
+template <typename Traits>
+struct FwdEpilogue {
+    using Element = typename Traits::Element;
+    using Barriers = FwdBarriers<Traits::kConsumerWarpgroups>;
+
+    template <typename Tma, typename Job, typename AccO, typename Softmax>
+    __forceinline__ __device__ static void store(const Tma& tma_o, const AttnParams& p, const Job& tile, AccO& acc_o,
+                                                 Softmax& softmax, typename Traits::SharedStorage& shared, int cwg,
+                                                 int ctid) {
+        typename Traits::TiledMmaPV mma_pv;
+        Tensor cO = rowcol(mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(typename Traits::TileQ{})));
+        float lse[Softmax::kRowCount];
+        Tensor o_rc = rowcol(acc_o);
+        softmax.finalize(o_rc, p.softmax_scale, lse);
+        Traits::OutStore::template store<Traits::kBlockM>(tma_o, make_shape(p.sq, p.d, p.hq, p.b), acc_o, mma_pv,
+                                                          shared.o.data(), tile.m_block * Traits::kConsumerWarpgroups,
+                                                          tile.h, tile.b, ctid, Barriers::buffers(cwg));
+        FwdOutput<Element>(p, tile.b, tile.h, 0).write_lse(cO, lse, tile.r0, tile.r1, ctid);
+    }
+
+    // A job no key reaches: output 0 and LSE +inf.
+    template <typename Job>
+    __forceinline__ __device__ static void store_empty(const AttnParams& p, const Job& tile, int ctid) {
+        FwdOutput<Element>(p, tile.b, tile.h, 0).write_empty(tile.r0, tile.r1, ctid, Traits::kConsumerThreads);
+    }
+
+    // Before the CTA exits: the TMA unit has read every output buffer.
+    __forceinline__ __device__ static void drain(int ctid) { Traits::OutStore::drain(ctid); }
+};
+
+}  // namespace flashmask::sm90

@@ -68,7 +68,7 @@ struct BwdParams : AttnParams {
     float* dq_accum;   // zeroed float32 [B, Hq, query blocks, BlockM * head dim] (dq_accum.h): dS*K over key blocks
     int dq_accum_row;  // > 0: the D kernel zeroes dq_accum, this many floats per padded row (stats_stride rows)
     // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], one more than the last key
-    // block that added to each query block's dQ (they add in order: sm90/bwd_kernel.h); nullptr otherwise.
+    // block that added to each query block's dQ (they add in order: sm90/bwd_dq_warps.h); nullptr otherwise.
     int* dq_semaphore;
     // dK, dV [B, Sk, Hq, D]: one slice per query head (a GQA group is summed afterwards).
     void* dk;

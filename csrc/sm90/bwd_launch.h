@@ -1,6 +1,6 @@
 // Launch layer of the SM90 backward: TMA descriptors of Q, dO, K, V, dK and dV over their real
 // strides, the persistent grid, then the dQ conversion. p.dq_accum must be zeroed fp32
-// [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order, bwd_kernel.h).
+// [B, Hq, query blocks, BlockM * head dim] (each tile in the kernel's staging order, bwd_mainloop.h).
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -13,6 +13,7 @@
 
 #include "common/launch_utils.h"
 #include "sm90/bwd_kernel.h"
+#include "sm90/dq_convert.h"
 #include "sm90/tma_views.h"
 
 namespace flashmask::sm90 {

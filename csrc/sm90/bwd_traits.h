@@ -98,12 +98,12 @@ struct BwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
-        // A query block's dQ on its way to global memory (bwd_kernel.h), and between jobs dK and dV
+        // A query block's dQ on its way to global memory (bwd_dq_warps.h), and between jobs dK and dV
         // (1024-byte aligned for their swizzled layout).
         alignas(1024) float dq[kBlockM * kHeadDim];
         // A query block's LSE * log2(e) and D, loaded with its Q and dO (one per pipeline stage).
         alignas(16) float row_stats[kStages][2][kBlockM];
-        int tickets[kTickets];                   // the query blocks the producer has queued (bwd_kernel.h)
+        int tickets[kTickets];                   // the query blocks the producer has queued (bwd_producer.h)
         alignas(16) int mask_cols[4 * kBlockN];  // the raw [BlockN, C] mask columns of the CTA's keys
         cutlass::arch::ClusterTransactionBarrier barrier_kv;
         cutlass::arch::ClusterBarrier kv_free;  // the consumers are done with a job's K and V

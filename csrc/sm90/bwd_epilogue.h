@@ -1,0 +1,43 @@
+// The SM90 backward's epilogue: dK (scaled by the softmax scale) and dV of a job's query-head
+// slice leave by TMA store (tile_store.h) through the dQ buffer, one after the other, once the dQ
+// warp that read the job's last dQ tile is done with it; a key block no query sees writes zeros.
+// Before the buffer takes the next job's dQ, the TMA unit has read dV (each warpgroup waits for
+// its stores here, and the next dQ hand-over waits for both).
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/params.h"
+#include "sm90/bwd_barriers.h"
+
+namespace flashmask::sm90 {
+using namespace cute;
+
+template <typename Traits>
+struct BwdEpilogue {
+    using Element = typename Traits::Element;
+
+    template <typename Args, typename Job, typename AccKV>
+    __forceinline__ __device__ static void store(const Args& args, const Job& job, AccKV& acc_dk, AccKV& acc_dv,
+                                                 typename Traits::SharedStorage& shared, int ctid,
+                                                 int handoff_threads) {
+        const BwdParams& p = args.p;
+        typename Traits::TiledMmaKV mma_kv;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+        using Store = typename Traits::KVStore;
+        const auto shape = make_shape(p.sk, p.d, p.hq, p.b);
+        const int wg_barrier = kBwdStoreBarrier + ctid / 128;
+        cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqEmptyBarrier);
+        Element* const buffer = reinterpret_cast<Element*>(shared.dq);
+        const int row_tile0 = job.n_block * Traits::kConsumerWarpgroups;
+        Store::template store<Traits::kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer, row_tile0, job.h, job.b,
+                                               ctid, wg_barrier);
+        Store::template store<Traits::kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer, row_tile0, job.h, job.b,
+                                               ctid, wg_barrier);
+        Store::drain(ctid);
+        cutlass::arch::NamedBarrier::sync(128, wg_barrier);
+    }
+};
+
+}  // namespace flashmask::sm90

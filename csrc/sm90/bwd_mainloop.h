@@ -1,0 +1,178 @@
+// The SM90 backward's consumer mainloop: two consumer warpgroups own 64 keys each of a job's key
+// block and take its query blocks as the producer queued them. S^T = K Q^T and dP^T = V dO^T leave
+// P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q; dS also goes to
+// shared memory for dQ = dS K, which the warpgroups split by head dim and hand to the dQ warps in
+// turn (bwd_dq_warps.h). The element mask (mask/element_mask.h) runs only where a block's ticket
+// says the tile needs a compare.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/cp_async.h"
+#include "common/params.h"
+#include "mask/element_mask.h"
+#include "sm90/block_ticket.h"
+#include "sm90/bwd_barriers.h"
+#include "sm90/bwd_job.h"
+#include "sm90/wgmma_ops.h"
+
+namespace flashmask::sm90 {
+using namespace cute;
+
+template <typename Traits, bool Is_causal, int kMaskC>
+struct BwdMainloop {
+    static constexpr bool Has_mask = kMaskC > 0;
+    static constexpr int kBlockM = Traits::kBlockM;
+    static constexpr int kBlockN = Traits::kBlockN;
+    static constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and one dQ warp
+    using Element = typename Traits::Element;
+    using SharedStorage = typename Traits::SharedStorage;
+    using Pipeline = typename Traits::Pipeline;
+    using Job = KeyJob<Traits, Is_causal, Has_mask>;
+    using AccKV =
+        decltype(partition_fragment_C(std::declval<typename Traits::TiledMmaKV&>(), typename Traits::TileKV{}));
+
+    SharedStorage& shared;
+    Pipeline& pipeline_q;
+    const int ctid;  // this thread among the consumers
+    // The Q/dO pipeline's state, K and V's barrier phase and the ring position run on across jobs.
+    cutlass::PipelineState<Traits::kStages> state;
+    int kv_phase = 0;
+    int taken = 0;  // tickets read, over all jobs
+
+    __forceinline__ __device__ BwdMainloop(SharedStorage& shared_, Pipeline& q, int ctid_)
+        : shared(shared_), pipeline_q(q), ctid(ctid_) {}
+
+    // Every query block that sees the job's keys: accumulates dK (unscaled) and dV of this query
+    // head's slice and hands each block's dQ tile to the dQ warps.
+    __forceinline__ __device__ void run(const BwdParams& p, const Job& job, AccKV& acc_dk, AccKV& acc_dv) {
+        typename Traits::TiledMmaSdP mma_sdp;
+        typename Traits::TiledMmaKV mma_kv;
+        typename Traits::TiledMmaQ mma_q;
+        auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+        auto thr_kv = mma_kv.get_thread_slice(ctid);
+        auto thr_q = mma_q.get_thread_slice(ctid);
+        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+        Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
+        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+        Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
+        Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
+        // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
+        // rows (an element-wise copy takes a generic 16-bit store, a byte permute and 64-bit address
+        // arithmetic per element).
+        auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+        auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
+        Tensor tDSsdSt =
+            thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
+        Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
+        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        Tensor tQrdS = thr_q.partition_fragment_A(sdS);
+        Tensor tQrKt = thr_q.partition_fragment_B(sKt);
+        // (key, query) of each score this thread holds.
+        Tensor cST_rc = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{})));
+        // Each thread's dQ values go to shared memory four at a time, a warp's 16-byte stores
+        // side by side (the row-major tile took 8-way bank conflicts); the accumulator in global
+        // memory keeps this order and dq_convert_kernel undoes it.
+        float4* const dq_out = reinterpret_cast<float4*>(shared.dq) + ctid;
+        const int c0 = job.c0;
+
+        // The interval values of this job's keys, for every partial tile. (The last job's
+        // readers of them all passed its final dQ hand-over.)
+        if constexpr (Has_mask) {
+            stage_mask_columns<kBlockN, kMaskC, Traits::kConsumerThreads>(shared.mask_cols, job.mask.cols, c0, p.sk,
+                                                                          ctid);
+            cp_async_fence();
+            cp_async_wait<0>();
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdStagedBarrier);
+        }
+
+        // (Issuing the next block's S^T and dP^T before this block's dQ leaves would overlap more,
+        // but keeping both live across the loop spills at 240 registers.)
+        Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+        shared.barrier_kv.wait(kv_phase);
+        kv_phase ^= 1;
+        for (int tile = 0, more = true; more; ++tile) {
+            pipeline_q.consumer_wait(state);
+            const BlockTicket ticket{shared.tickets[taken++ % Traits::kTickets]};
+            const int r0 = ticket.block() * kBlockM;
+            const TileCompare compare = ticket.compare();
+            more = !ticket.last();
+            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
+            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
+            // The block's LSE * log2(e) (+inf past the last query: P = 0 there) and D (0 there).
+            const float* lse_rows = shared.row_stats[state.index()][0];
+            const float* d_rows = shared.row_stats[state.index()][1];
+            warpgroup_wait<1>();  // S^T is in; dP^T may still run
+
+            // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs
+            // while dP^T lands and dS^T is computed.
+            Tensor st = rowcol(acc_s);
+            if (compare.any) {
+                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, p.sk - p.sq,
+                                                                  shared.mask_cols);
+            }
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(st); ++ni) {
+                const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
+                CUTE_UNROLL
+                for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+            }
+            Tensor rP = make_tensor<Element>(acc_s.layout());
+            auto issue_dv = [&]() {
+                Tensor converted = convert_to<Element>(acc_s);
+                CUTE_UNROLL
+                for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
+                                                tKVrdOt(_, _, _, state.index()), acc_dv);
+            };
+            if constexpr (Traits::kEarlyDv) issue_dv();
+            warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
+
+            // dS^T = P^T (dP^T - D); dK += dS^T Q.
+            Tensor dpt = rowcol(acc_dp);
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(dpt); ++ni) {
+                const float d = d_rows[get<1>(cST_rc(0, ni))];
+                CUTE_UNROLL
+                for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+            }
+            if constexpr (!Traits::kEarlyDv) issue_dv();
+            Tensor rdS = convert_to<Element>(acc_dp);
+            wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
+                                            tKVrQt(_, _, _, state.index()), acc_dk);
+
+            // dS into shared memory once both warpgroups are done reading the last block's.
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+            copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
+            cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
+            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+            Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileQ{});
+            wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, tQrKt, acc_dq);
+            warpgroup_wait<0>();
+            pipeline_q.consumer_release(state);
+            ++state;
+            // dQ to the dQ warps' buffer once the last one has been sent.
+            cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+            CUTE_UNROLL
+            for (int v = 0; v < size(acc_dq); v += 4) {
+                dq_out[(v / 4) * Traits::kConsumerThreads] =
+                    make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
+            }
+            cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
+            cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier(tile % Traits::kDqWarps));
+        }
+        // Every GEMM of this job is done: the producer may load the next job's K and V.
+        shared.kv_free.arrive();
+    }
+};
+
+}  // namespace flashmask::sm90

@@ -38,7 +38,7 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
 }
 # Head dims per architecture family (a subset of HEAD_DIMS); the binding runs any other head dim on
 # the sm80 kernels.
-ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 128)}
+ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 96, 128)}
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # nvcc flags of every translation unit; setup.py adds one -gencode per arch, and

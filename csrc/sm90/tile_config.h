@@ -44,10 +44,10 @@ constexpr FwdTile fwd_tile(int head_dim) {
         t.group_sight = true;        // a window's edge blocks are seen by part of a 192-row tile only
         t.stale_max = true;          // no block max: fewer FMNMX, shuffles and exponentials per block
     } else {
-        // The pingpong: one warpgroup's softmax runs under the other's GEMMs.
+        // Head dims 96 and 128. The pingpong: one warpgroup's softmax runs under the other's GEMMs.
         t.consumer_warpgroups = 2;
         t.block_m = 128;
-        t.stages = 2;               // no shared memory for more at this head dim
+        t.stages = 2;               // no shared memory for more at head dim 128 (96 takes 128's choices)
         t.q_stages = 1;             // nor for a second Q buffer
         t.producer_registers = 24;  // 32 does not fit beside two warpgroups of 240
         t.consumer_registers = 240;

@@ -60,6 +60,27 @@ struct FwdOutput {
         store_lse</*kSplit=*/true>(coords, row_lse, r0, r1, tidx);
     }
 
+    // The normalised output straight from registers, two adjacent columns per 4-byte store (the
+    // accumulators hold columns in pairs; the binding guarantees even strides and a 16-byte base).
+    template <typename O, typename Coords>
+    __forceinline__ __device__ void write_rows(O const& o_rc, Coords const& coords, int r0, int r1) const {
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(o_rc); ++mi) {
+            const int row = r0 + cute::get<0>(coords(mi, 0));
+            if (row >= r1) continue;
+            CUTE_UNROLL
+            for (int di = 0; di < cute::size<1>(o_rc); di += 2) {
+                const int col = cute::get<1>(coords(mi, di));
+                if (col >= d) continue;
+                cute::array<Element, 2> pair;
+                pair[0] = Element(o_rc(mi, di));
+                pair[1] = Element(o_rc(mi, di + 1));
+                *reinterpret_cast<uint32_t*>(o + int64_t(row) * row_stride + col) =
+                    *reinterpret_cast<const uint32_t*>(pair.data());
+            }
+        }
+    }
+
     // The LSE of the rows this thread holds, from the first lane of each quad.
     template <typename Coords>
     __forceinline__ __device__ void write_lse(Coords const& coords, const float* row_lse, int r0, int r1,

@@ -1,7 +1,8 @@
 // The SM90 forward's epilogue: a consumer warpgroup's rows of a job, normalised, leave by TMA
 // store through the warpgroup's own shared-memory buffer (tile_store.h), which runs while the
-// warpgroup starts its next job; the LSE goes out from registers. A job with no visible key block
-// writes zeros and +inf (common/fwd_output.h).
+// warpgroup starts its next job, or, where that buffer does not fit beside the pipelines (head dim
+// 256), straight from the registers; the LSE goes out from registers. A job with no visible key
+// block writes zeros and +inf (common/fwd_output.h).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -23,14 +24,19 @@ struct FwdEpilogue {
                                                  Softmax& softmax, typename Traits::SharedStorage& shared, int cwg,
                                                  int ctid) {
         typename Traits::TiledMmaPV mma_pv;
-        Tensor cO = rowcol(mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(typename Traits::TileQ{})));
+        Tensor cO = rowcol(mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(typename Traits::TileO{})));
         float lse[Softmax::kRowCount];
         Tensor o_rc = rowcol(acc_o);
         softmax.finalize(o_rc, p.softmax_scale, lse);
-        Traits::OutStore::template store<Traits::kBlockM>(tma_o, make_shape(p.sq, p.d, p.hq, p.b), acc_o, mma_pv,
-                                                          shared.o.data(), tile.m_block * Traits::kConsumerWarpgroups,
-                                                          tile.h, tile.b, ctid, Barriers::buffers(cwg));
-        FwdOutput<Element>(p, tile.b, tile.h, 0).write_lse(cO, lse, tile.r0, tile.r1, ctid);
+        const FwdOutput<Element> output(p, tile.b, tile.h, 0);
+        if constexpr (Traits::kOThroughSmem) {
+            Traits::OutStore::template store<Traits::kBlockM>(
+                tma_o, make_shape(p.sq, p.d_v, p.hq, p.b), acc_o, mma_pv, shared.o.data(),
+                tile.m_block * Traits::kConsumerWarpgroups, tile.h, tile.b, ctid, Barriers::buffers(cwg));
+        } else {
+            output.write_rows(o_rc, cO, tile.r0, tile.r1);
+        }
+        output.write_lse(cO, lse, tile.r0, tile.r1, ctid);
     }
 
     // A job no key reaches: output 0 and LSE +inf.
@@ -40,7 +46,9 @@ struct FwdEpilogue {
     }
 
     // Before the CTA exits: the TMA unit has read every output buffer.
-    __forceinline__ __device__ static void drain(int ctid) { Traits::OutStore::drain(ctid); }
+    __forceinline__ __device__ static void drain(int ctid) {
+        if constexpr (Traits::kOThroughSmem) Traits::OutStore::drain(ctid);
+    }
 };
 
 }  // namespace flashmask::sm90

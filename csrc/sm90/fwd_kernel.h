@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     // Pipelines of Q (a stage per job that loads one), K and V: warp 0 of the producer is their
     // only producer, every consumer thread releases a stage. Pipeline states run on across jobs.
     typename Pipeline::Params pipe_params;
-    pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+    pipe_params.transaction_bytes = Traits::kTmaBytesK;
     pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = threadIdx.x == 0;
     pipe_params.num_consumers = Traits::kConsumerThreads;
@@ -54,7 +54,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_
     q_params.is_leader = pipe_params.is_leader;
     q_params.num_consumers = pipe_params.num_consumers;
     PipelineQ pipeline_q(shared.pipeline_q, q_params, Shape<_1, _1, _1>{});
-    Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+    typename Pipeline::Params v_params = pipe_params;
+    v_params.transaction_bytes = Traits::kTmaBytesV;
+    Pipeline pipeline_v(shared.pipeline_v, v_params, Shape<_1, _1, _1>{});
     if constexpr (kDecodeWarp) {
         if (threadIdx.x == 0) shared.hand_over.init();
     }

@@ -36,7 +36,7 @@ struct FwdMainloop {
     using Job = TileJob<Traits, Is_causal, (kMaskC > 0)>;
     using Ticket = GroupTicket<kWarpgroups>;
     // The output accumulator of a thread, and the rows of it the thread holds.
-    using AccO = decltype(partition_fragment_C(std::declval<typename Traits::TiledMmaPV&>(), typename Traits::TileQ{}));
+    using AccO = decltype(partition_fragment_C(std::declval<typename Traits::TiledMmaPV&>(), typename Traits::TileO{}));
     static constexpr int kRows = decltype(size<0>(rowcol_layout(typename AccO::layout_type{})))::value;
     using Softmax = OnlineSoftmax<kRows>;
 

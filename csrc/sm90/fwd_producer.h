@@ -80,10 +80,10 @@ struct FwdProducer {
         const int lane = threadIdx.x % 32;
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
-        Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
+        Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d_v, p.hk, p.b));
         Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQStages{});
         Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
         auto state = cutlass::make_producer_start_state<Pipeline>();
         auto state_q = cutlass::make_producer_start_state<PipelineQ>();
         int queued = 0;  // ring slots filled, over all jobs
@@ -98,7 +98,7 @@ struct FwdProducer {
                 Tensor gQ =
                     local_tile(mQ(_, _, tile.h, tile.b), typename Traits::TileQ{}, make_coord(tile.m_block, _0{}));
                 Tensor gK = local_tile(mK(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
-                Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileKV{}, make_coord(_, _0{}));
+                Tensor gV = local_tile(mV(_, _, tile.kv_h, tile.b), typename Traits::TileV{}, make_coord(_, _0{}));
                 auto [tQg, tQs] =
                     tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
                 auto [tKg, tKs] =

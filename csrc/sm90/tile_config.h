@@ -28,11 +28,26 @@ constexpr bool setmaxnreg_fits(int threads, int producer_registers, int consumer
     return 128 * producer_registers + consumer_threads * consumer_registers <= threads * (65536 / threads / 8 * 8);
 }
 
-constexpr FwdTile fwd_tile(int head_dim) {
+// head_dim: of Q and K; head_dim_v: of V and O (MLA's (192, 128)).
+constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) {
     FwdTile t{};
     t.block_n = 128;
     t.compare_by_quarters = true;  // skipping the keys a warp's rows all see or all miss pays on window edges
-    if (head_dim <= 64) {
+    if (head_dim > 128 || head_dim_v > 128) {
+        // Two stages of 128-key K and V blocks do not fit beside Q at these head dims; 64-key
+        // blocks do, and their GEMMs (k = head dim) stay long next to the softmax.
+        t.consumer_warpgroups = 2;
+        t.block_m = 128;
+        t.block_n = 64;
+        t.compare_by_quarters = false;  // the quarters are those of a 128-key block
+        t.stages = 2;
+        t.q_stages = 1;
+        t.producer_registers = 24;
+        t.consumer_registers = 240;
+        t.decode_warp_keys = 0;
+        t.group_sight = false;  // pingpong
+        t.stale_max = false;
+    } else if (head_dim <= 64) {
         // GEMMs half as long next to the same softmax: a third warpgroup keeps the tensor cores fed.
         t.consumer_warpgroups = 3;
         t.block_m = 192;
@@ -58,13 +73,16 @@ constexpr FwdTile fwd_tile(int head_dim) {
     return t;
 }
 
-// Whether the forward's setmaxnreg split fits its CTA at this head dim (FwdTraits asserts it;
+constexpr FwdTile fwd_tile(int head_dim) { return fwd_tile(head_dim, head_dim); }
+
+// Whether the forward's setmaxnreg split fits its CTA at these head dims (FwdTraits asserts it;
 // tests/cpu/test_tile_config.py checks it on the CPU).
-constexpr bool fwd_registers_fit(int head_dim) {
-    const FwdTile t = fwd_tile(head_dim);
+constexpr bool fwd_registers_fit(int head_dim, int head_dim_v) {
+    const FwdTile t = fwd_tile(head_dim, head_dim_v);
     return setmaxnreg_fits(128 * (t.consumer_warpgroups + 1), t.producer_registers, 128 * t.consumer_warpgroups,
                            t.consumer_registers);
 }
+constexpr bool fwd_registers_fit(int head_dim) { return fwd_registers_fit(head_dim, head_dim); }
 
 // Backward: a CTA owns block_n keys (64 per consumer warpgroup) and walks query blocks of block_m
 // rows, whose Q and dO go through a pipeline of `stages`. One CTA per SM draws the jobs.

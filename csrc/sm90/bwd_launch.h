@@ -17,8 +17,9 @@
 
 namespace flashmask::sm90 {
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, int kHeadDimV, typename Element>
 void run_bwd(const BwdParams& p, cudaStream_t stream) {
+    static_assert(kHeadDim == kHeadDimV, "the SM90 kernels take V at the head dim of Q and K");
     using namespace cute;
     using Traits = BwdTraits<kHeadDim, Element>;
     TORCH_CHECK(p.dq_accum != nullptr, "flashmask: the SM90 backward accumulates dQ with atomics only");

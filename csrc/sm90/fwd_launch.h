@@ -15,8 +15,9 @@
 
 namespace flashmask::sm90 {
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, int kHeadDimV, typename Element>
 void run_fwd(const AttnParams& p, cudaStream_t stream) {
+    static_assert(kHeadDim == kHeadDimV, "the SM90 kernels take V at the head dim of Q and K");
     using namespace cute;
     using Traits = FwdTraits<kHeadDim, Element>;
     const auto gq =

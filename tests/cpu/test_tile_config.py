@@ -1,5 +1,5 @@
 """The SM90 kernels' tile configuration (csrc/sm90/tile_config.h) on the CPU, with a C++ compiler:
-the header is plain C++.
+the header is plain C++. Also the SM80 tiles of the unequal (head dim, value head dim) pairs.
 
 setmaxnreg only moves registers within what the CTA got at launch; a producer / consumer split that
 asks for more makes the consumers' setmaxnreg wait for ever (a head dim 128 forward with 32 producer
@@ -9,6 +9,7 @@ refuses the splits known to overflow.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -46,5 +47,37 @@ def test_register_splits_fit(tmp_path):
         pytest.skip("no C++ compiler")
     src = tmp_path / "fit.cpp"
     src.write_text(PROGRAM)
+    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def _instantiations():
+    spec = importlib.util.spec_from_file_location("fm_inst_tiles", os.path.join(CSRC, "instantiations.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sm80_pair_tiles(tmp_path):
+    """Every SM80 pair's tiles: an equal head dim keeps the tiles of its head dim (the kernels it had
+    before pairs existed), an unequal pair takes those of its wider head dim."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    inst = _instantiations()
+    lines = ['#include "sm80/tile_config.h"', "using namespace flashmask::sm80;",
+             "constexpr bool same(FwdTile a, FwdTile b) {",
+             "    return a.block_m == b.block_m && a.block_n == b.block_n && a.warps == b.warps;", "}",
+             "constexpr bool same(BwdTile a, BwdTile b) {",
+             "    return a.block_m == b.block_m && a.block_n == b.block_n && a.warps == b.warps;", "}"]
+    pairs = inst.arch_head_dim_pairs("sm80")
+    assert (192, 128) in pairs
+    for d, dv in pairs:
+        wide = max(d, dv)
+        for fn in ("fwd_tile", "bwd_tile"):
+            lines.append(f'static_assert(same({fn}({d}, {dv}), {fn}({wide})), "{fn}({d}, {dv})");')
+    lines.append("int main() { return 0; }")
+    src = tmp_path / "pairs.cpp"
+    src.write_text("\n".join(lines) + "\n")
     run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

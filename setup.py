@@ -2,7 +2,9 @@
 
 Environment switches:
   FLASHMASK_BUILD_CUDA  auto (default: build when torch has CUDA and nvcc is found), 1 (force), 0 (skip)
-  FLASHMASK_HEAD_DIMS   head dims to instantiate, e.g. "128" or "64,128" (default: all)
+  FLASHMASK_HEAD_DIMS   head dims to instantiate, e.g. "128" or "64,128" (default: all); an unequal
+                        (head dim, value head dim) pair comes with its q/k head dim: "192" builds
+                        (192, 192) and (192, 128)
   FLASHMASK_DTYPES      "fp16", "bf16" or both (default: both)
   FLASHMASK_ARCHS       CUDA archs, e.g. "90" or "80;90" (default: "80;90"); "90" also builds the
                         SM90 (wgmma/TMA) kernels, compiled for sm_90a
@@ -80,8 +82,8 @@ def _cuda_extension():
         selected = inst.instantiations(head_dims, dtypes, families)
     except ValueError as e:
         raise RuntimeError(str(e)) from None
-    # One translation unit per (architecture, kernel, head dim, dtype) so that ninja compiles them
-    # in parallel, plus the hand-written ones (binding, mask preprocessing, row kernels).
+    # One translation unit per (architecture, kernel, head dim, value head dim, dtype) so that ninja
+    # compiles them in parallel, plus the hand-written ones (binding, mask preprocessing, row kernels).
     sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")) + glob.glob(os.path.join("csrc", "*", "*.cpp")))
     sources += [os.path.relpath(p, HERE) for p in inst.generate(os.path.join(HERE, GENERATED), selected)]
     sm90a = bool(inst.KERNELS["sm90"])  # wgmma and setmaxnreg need the arch-specific target

@@ -1,10 +1,12 @@
 """The one list of kernel instantiations, and the generator of their translation units.
 
-Every compiled kernel is a (architecture, kernel, head dim, dtype) tuple. setup.py selects a subset
-(``FLASHMASK_HEAD_DIMS``, ``FLASHMASK_DTYPES``, ``FLASHMASK_ARCHS``) and calls :func:`generate`,
+Every compiled kernel is an (architecture, kernel, head dim, value head dim, dtype) tuple: the head
+dim is that of q and k, the value head dim that of v and the output, equal but for the pairs of
+``HEAD_DIM_PAIRS``. setup.py selects a subset (``FLASHMASK_HEAD_DIMS``, which takes a pair with its
+q/k head dim, ``FLASHMASK_DTYPES``, ``FLASHMASK_ARCHS``) and calls :func:`generate`,
 which writes one ``.cu`` file per tuple (so that ninja compiles them in parallel) and
-``kernel_registry.inc``, the table the binding dispatches on. Adding a head dim, a dtype or an
-architecture's kernel is one edit here.
+``kernel_registry.inc``, the table the binding dispatches on. Adding a head dim, a pair, a dtype or
+an architecture's kernel is one edit here.
 
 Run as a script to print the full list: ``python csrc/instantiations.py``.
 """
@@ -14,12 +16,15 @@ import os
 from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 HEAD_DIMS: Tuple[int, ...] = (32, 64, 96, 128, 192, 256)
+# Unequal (q/k head dim, value head dim) pairs, besides the equal ones: (192, 128) is DeepSeek's
+# multi-head latent attention. An equal head dim's kernels also serve any pair that fits them.
+HEAD_DIM_PAIRS: Tuple[Tuple[int, int], ...] = ((192, 128),)
 DTYPES: Dict[str, str] = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 
 
 class Kernel(NamedTuple):
     header: str  # the launch header, relative to csrc/
-    function: str  # the launch template, called as function<head_dim, element>(params, stream)
+    function: str  # the launch template, called as function<head_dim, head_dim_v, element>(params, stream)
     params: str  # the parameter struct it takes
 
 
@@ -38,7 +43,13 @@ KERNELS: Dict[str, Dict[str, Kernel]] = {
 }
 # Head dims per architecture family (a subset of HEAD_DIMS); the binding runs any other head dim on
 # the sm80 kernels.
-ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 96, 128)}
+ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 96, 128, 192, 256)}
+# Unequal pairs per architecture family (a subset of HEAD_DIM_PAIRS); a family without one leaves it
+# to a family that has it.
+ARCH_HEAD_DIM_PAIRS: Dict[str, Tuple[Tuple[int, int], ...]] = {"sm80": HEAD_DIM_PAIRS, "sm90": HEAD_DIM_PAIRS}
+# Kernels a family builds for fewer head dims than the others (a subset of its head dims): the
+# call's other slots go to the newest family that has them.
+KERNEL_HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {("sm90", "bwd_kv"): (64, 96, 128)}
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # nvcc flags of every translation unit; setup.py adds one -gencode per arch, and
@@ -54,29 +65,50 @@ SLOTS: Tuple[str, ...] = ("fwd", "bwd_kv", "bwd_dq")
 class Instantiation(NamedTuple):
     arch: str
     kernel: str
-    head_dim: int
+    head_dim: int  # of q and k
+    head_dim_v: int  # of v and the output
     dtype: str
 
     @property
+    def dims(self) -> str:
+        """hdim128 for equal head dims, hdim192x128 for a pair."""
+        pair = "" if self.head_dim == self.head_dim_v else f"x{self.head_dim_v}"
+        return f"hdim{self.head_dim}{pair}"
+
+    @property
     def symbol(self) -> str:
-        return f"run_{self.arch}_{self.kernel}_hdim{self.head_dim}_{self.dtype}"
+        return f"run_{self.arch}_{self.kernel}_{self.dims}_{self.dtype}"
 
     @property
     def filename(self) -> str:
-        return f"{self.arch}/{self.kernel}_hdim{self.head_dim}_{self.dtype}.cu"
+        return f"{self.arch}/{self.kernel}_{self.dims}_{self.dtype}.cu"
+
+
+def arch_head_dim_pairs(arch: str) -> List[Tuple[int, int]]:
+    """Every (head dim, value head dim) pair of an architecture family, equal ones first."""
+    return [(d, d) for d in ARCH_HEAD_DIMS[arch]] + list(ARCH_HEAD_DIM_PAIRS[arch])
+
+
+def _builds(arch: str, kernel: str, d: int, dv: int) -> bool:
+    """Whether a family builds a kernel for head dims (d, dv): for each of its pairs, unless
+    KERNEL_HEAD_DIMS limits the kernel to some equal head dims."""
+    limit = KERNEL_HEAD_DIMS.get((arch, kernel))
+    return limit is None or (d == dv and d in limit)
 
 
 def instantiations(head_dims: Iterable[int] = HEAD_DIMS, dtypes: Iterable[str] = tuple(DTYPES),
                    archs: Iterable[str] = tuple(KERNELS)) -> List[Instantiation]:
-    """Every instantiation of the selected head dims, dtypes and architecture families."""
+    """Every instantiation of the selected head dims, dtypes and architecture families; a pair of
+    unequal head dims comes with its q/k head dim."""
     head_dims, dtypes, archs = list(head_dims), list(dtypes), list(archs)
-    bad = ([d for d in head_dims if d not in HEAD_DIMS] + [t for t in dtypes if t not in DTYPES]
+    known = set(HEAD_DIMS) | {d for d, _ in HEAD_DIM_PAIRS}
+    bad = ([d for d in head_dims if d not in known] + [t for t in dtypes if t not in DTYPES]
            + [a for a in archs if a not in KERNELS])
     if bad:
-        raise ValueError(f"unknown head dims / dtypes / archs {bad}; choose from {HEAD_DIMS}, {tuple(DTYPES)}, "
-                         f"{tuple(KERNELS)}")
-    return [Instantiation(a, k, d, t) for a in archs for k in KERNELS[a] for d in ARCH_HEAD_DIMS[a]
-            if d in head_dims for t in dtypes]
+        raise ValueError(f"unknown head dims / dtypes / archs {bad}; choose from {tuple(sorted(known))}, "
+                         f"{tuple(DTYPES)}, {tuple(KERNELS)}")
+    return [Instantiation(a, k, d, dv, t) for a in archs for k in KERNELS[a] for d, dv in arch_head_dim_pairs(a)
+            if d in head_dims and _builds(a, k, d, dv) for t in dtypes]
 
 
 def arch_families(cuda_archs: Sequence[str]) -> List[str]:
@@ -92,7 +124,8 @@ def _translation_unit(inst: Instantiation) -> str:
     k = KERNELS[inst.arch][inst.kernel]
     return (f"{_BANNER}#include \"{k.header}\"\n\nnamespace flashmask {{\n"
             f"void {inst.symbol}(const {k.params}& p, cudaStream_t stream) {{\n"
-            f"    {k.function}<{inst.head_dim}, {DTYPES[inst.dtype]}>(p, stream);\n}}\n}}  // namespace flashmask\n")
+            f"    {k.function}<{inst.head_dim}, {inst.head_dim_v}, {DTYPES[inst.dtype]}>(p, stream);\n}}\n"
+            "}  // namespace flashmask\n")
 
 
 def _registry(insts: Sequence[Instantiation]) -> str:
@@ -100,12 +133,13 @@ def _registry(insts: Sequence[Instantiation]) -> str:
     for i in insts:
         lines.append(f"void {i.symbol}(const {KERNELS[i.arch][i.kernel].params}&, cudaStream_t);\n")
     lines.append("\nconst KernelSet kKernelSets[] = {\n")
-    groups = sorted({(i.arch, i.head_dim, i.dtype) for i in insts}, key=lambda g: (g[0], g[1], g[2]))
-    for arch, d, t in groups:
-        slots = [f"&{Instantiation(arch, s, d, t).symbol}" if Instantiation(arch, s, d, t) in insts else "nullptr"
-                 for s in SLOTS]
-        lines.append(f"    {{{ARCH_MIN_CC[arch]}, {d}, DType::{t}, {', '.join(slots)}}},\n")
-    lines.append("    {0, 0, DType::fp16, nullptr, nullptr, nullptr},  // sentinel: a build may compile nothing\n};\n")
+    groups = sorted({(i.arch, i.head_dim, i.head_dim_v, i.dtype) for i in insts})
+    for arch, d, dv, t in groups:
+        slots = [f"&{Instantiation(arch, s, d, dv, t).symbol}" if Instantiation(arch, s, d, dv, t) in insts
+                 else "nullptr" for s in SLOTS]
+        lines.append(f"    {{{ARCH_MIN_CC[arch]}, {d}, {dv}, DType::{t}, {', '.join(slots)}}},\n")
+    lines.append("    {0, 0, 0, DType::fp16, nullptr, nullptr, nullptr},  // sentinel: a build may compile nothing\n"
+                 "};\n")
     return "".join(lines)
 
 

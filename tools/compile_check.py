@@ -8,6 +8,7 @@ the SASS checks for what slows a kernel down without any error:
   silently, each seen to make a kernel several times slower.
 
     python -m tools.compile_check --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
+    python -m tools.compile_check --arch sm80 --kernel bwd_kv --head-dim 192 --head-dim-v 128
     python -m tools.compile_check --arch sm90 --source csrc/common/bwd_dsum.cu
     python -m tools.compile_check --sass flashmask/_C*.so
 
@@ -190,7 +191,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="sm90", choices=["sm80", "sm90"])
     parser.add_argument("--kernel", default="fwd", help="fwd, bwd_kv or bwd_dq (csrc/instantiations.py KERNELS)")
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128, help="of q and k")
+    parser.add_argument("--head-dim-v", type=int, default=None,
+                        help="of v and the output (default: the head dim; see HEAD_DIM_PAIRS)")
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
     parser.add_argument("-D", dest="defines", action="append", default=[],
                         help="pass -DNAME or -DNAME=VALUE to nvcc (repeatable)")
@@ -211,6 +214,7 @@ def main() -> int:
         parser.error(f"--source {args.source!r}: no such file")
     if args.source is None and args.kernel not in inst.KERNELS[args.arch]:
         parser.error(f"{args.arch} has no kernel {args.kernel!r}: {sorted(inst.KERNELS[args.arch])}")
+    head_dim_v = args.head_dim if args.head_dim_v is None else args.head_dim_v
     try:
         import torch.utils.cpp_extension as cpp
         spec = importlib.util.find_spec("cutlass_library")
@@ -223,7 +227,7 @@ def main() -> int:
     cutlass = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
     with tempfile.TemporaryDirectory() as tmp:
         unit = os.path.abspath(args.source) if args.source else \
-            inst.generate(tmp, [inst.Instantiation(args.arch, args.kernel, args.head_dim, args.dtype)])[0]
+            inst.generate(tmp, [inst.Instantiation(args.arch, args.kernel, args.head_dim, head_dim_v, args.dtype)])[0]
         includes = [CSRC, tmp, cutlass, *cpp.include_paths(device_type="cuda"), sysconfig.get_paths()["include"]]
         # A pip-installed CUDA torch brings the CUDA library headers (cusparse.h, ...) in nvidia/*/include.
         nvidia = importlib.util.find_spec("nvidia")

@@ -1,6 +1,6 @@
 // Python binding: argument checks, output allocation, the mask's metadata (per-block bounds and
-// tile order, cached per mask: mask_cache.h) and dispatch to the (architecture, head dim, dtype)
-// instantiations that this build compiled (registry.h).
+// tile order, cached per mask: mask_cache.h) and dispatch to the (architecture, head dim, value head
+// dim, dtype) instantiations that this build compiled (registry.h).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -30,6 +30,14 @@ int device_cc(const at::Tensor& t) {
     return prop->major * 10 + prop->minor;
 }
 
+std::string shape_str(at::IntArrayRef sizes) {
+    std::string s;
+    for (int64_t x : sizes) s += (s.empty() ? "[" : ", ") + num_str(x);
+    return s.empty() ? "[]" : s + "]";
+}
+
+// q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv]: D is the head dim of q and k, Dv that of v
+// and the output.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     for (const at::Tensor* t : {&q, &k, &v}) {
         TORCH_CHECK(t->is_cuda(), "flashmask: q, k, v must be CUDA tensors");
@@ -45,11 +53,18 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     }
     TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                 "flashmask: the kernels take float16 or bfloat16, not ", c10::toString(q.scalar_type()));
-    TORCH_CHECK(k.sizes() == v.sizes(), "flashmask: k and v must have the same shape");
-    TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "flashmask: q and k must share B and D");
+    TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+                "flashmask: k must be [B, Sk, Hk, D] with the B and D of q ", shape_str(q.sizes()), ", got ",
+                shape_str(k.sizes()));
+    TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
+                "flashmask: v must be [B, Sk, Hk, Dv] with the B, Sk and Hk of k ", shape_str(k.sizes()), ", got ",
+                shape_str(v.sizes()));
     TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flashmask: Hq must be a multiple of Hk");
-    const int64_t d = q.size(3);
+    const int64_t d = q.size(3), d_v = v.size(3);
     TORCH_CHECK(d % 8 == 0 && d <= 256, "flashmask: head dim must be a multiple of 8 up to 256, got ", num_str(d));
+    TORCH_CHECK(d_v % 8 == 0 && d_v <= 256,
+                "flashmask: the value head dim (the last dim of v) must be a multiple of 8 up to 256, got ",
+                num_str(d_v));
 }
 
 void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
@@ -82,6 +97,7 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.hq = hq;
     p.hk = hk;
     p.d = d;
+    p.d_v = v.size(3);
     p.q_per_kv_head = hq / hk;
     p.softmax_scale = float(softmax_scale);
     p.scale_log2 = float(softmax_scale * M_LOG2E);
@@ -109,17 +125,17 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.q_per_mask_head = hq / hm;
 }
 
-// Returns {out [B, Sq, Hq, D], lse [B, Hq, Sq] float32}. num_splits: 0 chooses, 1 disables split-KV.
+// Returns {out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32}. num_splits: 0 chooses, 1 disables split-KV.
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
                             int64_t num_splits, int64_t arch) {
     check_qkv(q, k, v);
     const c10::cuda::CUDAGuard guard(q.device());
-    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
-    at::Tensor out = at::empty({b, sq, hq, d}, q.options());
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3), d_v = v.size(3);
+    at::Tensor out = at::empty({b, sq, hq, d_v}, q.options());
     at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
     if (b == 0 || sq == 0 || hq == 0) return {out, lse};
-    Selection sel = select_kernels(d, dtype_of(q), device_cc(q), int(arch), Slot::fwd);
+    Selection sel = select_kernels(d, d_v, dtype_of(q), device_cc(q), int(arch), Slot::fwd);
     TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
     {
         // Split-KV runs on the SM80 kernels only (short query blocks against long keys).
@@ -132,7 +148,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                 num_splits = 1;  // a forced family without split-KV runs unsplit
             } else {
                 TORCH_CHECK(arch == 0, "flashmask: split-KV (num_splits > 1) has no sm", num_str(arch), " kernel");
-                sel = select_kernels(d, dtype_of(q), device_cc(q), 80, Slot::fwd);
+                sel = select_kernels(d, d_v, dtype_of(q), device_cc(q), 80, Slot::fwd);
             }
         }
     }
@@ -155,10 +171,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     p.num_splits = int(num_splits);
     p.decode_warp = use_decode_warp(p.sk, sel.tiles.fwd_decode_warp_keys);
     // The K and V of a GQA group are shared by its query heads.
-    p.head_group = choose_head_group(hq, int64_t(2) * p.sk * d * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
+    p.head_group =
+        choose_head_group(hq, int64_t(p.sk) * (d + d_v) * q.element_size() / p.q_per_kv_head, p.mask != nullptr);
     at::Tensor o_partial, lse_partial;
     if (p.num_splits > 1) {
-        o_partial = at::empty({p.num_splits, b, hq, sq, d}, q.options().dtype(at::kFloat));
+        o_partial = at::empty({p.num_splits, b, hq, sq, d_v}, q.options().dtype(at::kFloat));
         lse_partial = at::empty({p.num_splits, b, hq, sq}, q.options().dtype(at::kFloat));
         p.o_partial = o_partial.data_ptr<float>();
         p.lse_partial = lse_partial.data_ptr<float>();
@@ -173,21 +190,26 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     return {out, lse};
 }
 
-// Returns {dq, dk, dv} shaped like q, k, v. dlse (optional, [B, Hq, Sq]) is the gradient reaching
-// the returned LSE.
+// Returns {dq, dk, dv} shaped like q, k, v; dout and out are [B, Sq, Hq, Dv]. dlse (optional,
+// [B, Hq, Sq]) is the gradient reaching the returned LSE.
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
                             const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
                             bool deterministic, int64_t arch) {
     check_qkv(q, k, v);
-    TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flashmask: dout and out must be shaped like q");
+    const std::vector<int64_t> o_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"dout", &dout}, {"out", &out}}) {
+        TORCH_CHECK(t->sizes() == at::IntArrayRef(o_shape), "flashmask: ", name,
+                    " must be [B, Sq, Hq, Dv] (the B, Sq, Hq of q and the Dv of v) = ", shape_str(o_shape), ", got ",
+                    shape_str(t->sizes()));
+    }
     TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
                 "flashmask: dout and out must have the dtype of q");
     TORCH_CHECK(dout.is_contiguous() && out.stride(-1) == 1,
                 "flashmask: dout must be contiguous and out needs a contiguous last dimension");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0, "flashmask: dout must be 16-byte aligned");
     const c10::cuda::CUDAGuard guard(q.device());
-    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
+    const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3), d_v = v.size(3);
     const int sk = k.size(1), hk = k.size(2);
     at::Tensor dq = at::empty_like(q);
     at::Tensor dk = at::empty_like(k);
@@ -212,8 +234,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         dlse_c = dlse->to(at::kFloat).contiguous();
         TORCH_CHECK(dlse_c.sizes() == lse_c.sizes(), "flashmask: dlse must be shaped like lse");
     }
-    const Selection sel =
-        select_kernels(d, dtype_of(q), device_cc(q), int(arch), deterministic ? Slot::bwd_deterministic : Slot::bwd);
+    const Selection sel = select_kernels(d, d_v, dtype_of(q), device_cc(q), int(arch),
+                                         deterministic ? Slot::bwd_deterministic : Slot::bwd);
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     BwdParams p{};
     MaskMeta meta;
@@ -247,7 +269,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     // GQA: each query head writes its own dK, dV slice and the group is summed below.
     const bool expand = hq != hk;
     at::Tensor dk_h = expand ? at::empty({b, sk, hq, d}, k.options()) : dk;
-    at::Tensor dv_h = expand ? at::empty({b, sk, hq, d}, v.options()) : dv;
+    at::Tensor dv_h = expand ? at::empty({b, sk, hq, d_v}, v.options()) : dv;
     p.dk = dk_h.data_ptr();
     p.dv = dv_h.data_ptr();
     set_strides(dk_h, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
@@ -284,13 +306,13 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         run_bwd_dsum_fp16(p, dlse_ptr, stream);
     else
         run_bwd_dsum_bf16(p, dlse_ptr, stream);
-    p.head_group = choose_head_group(hq, int64_t(2) * sq * d * q.element_size(), p.mask != nullptr);
+    p.head_group = choose_head_group(hq, int64_t(sq) * (d + d_v) * q.element_size(), p.mask != nullptr);
     sel.kernels->bwd_kv(p, stream);
     if (dq_kernel) sel.kernels->bwd_dq(p, stream);
     if (expand) {
         // One pass: the reduction accumulates the half-precision slices in fp32 and rounds once.
         at::sum_out(dk, dk_h.view({b, sk, hk, hq / hk, d}), 3);
-        at::sum_out(dv, dv_h.view({b, sk, hk, hq / hk, d}), 3);
+        at::sum_out(dv, dv_h.view({b, sk, hk, hq / hk, d_v}), 3);
     }
     return {dq, dk, dv};
 }
@@ -330,17 +352,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "tests only: pin the head group, the SM90 forward's decode warp and the mask cache (0 / -1: the "
           "library's choice); returns the previous values",
           py::arg("head_group") = 0, py::arg("decode_warp") = -1, py::arg("mask_cache") = -1);
-    m.def("head_dims", &flashmask::compiled_head_dims);
+    m.def("head_dims", &flashmask::compiled_head_dims, "the equal head dims compiled (sorted)");
+    m.def("head_dim_pairs", &flashmask::compiled_head_dim_pairs,
+          "every (head dim, value head dim) pair compiled, equal ones included (sorted)");
     m.def("dtypes", &flashmask::compiled_dtypes);
-    m.def("archs", &flashmask::compiled_archs, "architecture families compiled for (head dim, dtype name)");
+    m.def("archs", &flashmask::compiled_archs,
+          "architecture families compiled for (head dim, dtype name, value head dim; 0: equal to the head dim)",
+          py::arg("head_dim"), py::arg("dtype"), py::arg("head_dim_v") = 0);
     m.def(
         "selected_arch",
-        [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch, const std::string& slot) {
+        [](int64_t d, const std::string& dtype, int64_t cc, int64_t arch, const std::string& slot, int64_t d_v) {
             const flashmask::DType t = dtype == "float16" ? flashmask::DType::fp16 : flashmask::DType::bf16;
             const flashmask::Slot s = slot == "fwd"   ? flashmask::Slot::fwd
                                       : slot == "bwd" ? flashmask::Slot::bwd
                                                       : flashmask::Slot::bwd_deterministic;
-            return int64_t(flashmask::select_kernels(int(d), t, int(cc), int(arch), s).kernels->arch);
+            return int64_t(
+                flashmask::select_kernels(int(d), int(d_v == 0 ? d : d_v), t, int(cc), int(arch), s).kernels->arch);
         },
-        "the architecture family a call would run on (slot: fwd, bwd or bwd_deterministic)");
+        "the architecture family a call would run on (slot: fwd, bwd or bwd_deterministic; head_dim_v 0: equal to "
+        "the head dim)",
+        py::arg("head_dim"), py::arg("dtype"), py::arg("cc"), py::arg("arch"), py::arg("slot"),
+        py::arg("head_dim_v") = 0);
 }

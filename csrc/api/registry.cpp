@@ -22,12 +22,12 @@ bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
 
 TileSizes tiles_of(const KernelSet& k) {
     if (k.arch == 90) {
-        const sm90::FwdTile f = sm90::fwd_tile(k.head_dim);
+        const sm90::FwdTile f = sm90::fwd_tile(k.head_dim, k.head_dim_v);
         const sm90::BwdTile b = sm90::bwd_tile(k.head_dim);
         return {f.block_m, f.block_n, b.block_m, b.block_n, f.decode_warp_keys};
     }
-    const sm80::FwdTile f = sm80::fwd_tile(k.head_dim);
-    const sm80::BwdTile b = sm80::bwd_tile(k.head_dim);
+    const sm80::FwdTile f = sm80::fwd_tile(k.head_dim, k.head_dim_v);
+    const sm80::BwdTile b = sm80::bwd_tile(k.head_dim, k.head_dim_v);
     return {f.block_m, f.block_n, b.block_m, b.block_n};
 }
 
@@ -55,15 +55,42 @@ std::string join(const std::vector<int64_t>& xs) {
     return s;
 }
 
-// The head dims some family compiled a forward for (sorted, unique): the table is fixed at build
-// time, so it is gathered once (thread-safe static initialisation) rather than on every call.
+std::string join(const std::vector<std::pair<int64_t, int64_t>>& pairs) {
+    std::string s;
+    for (const auto& [d, dv] : pairs)
+        s += (s.empty() ? "(" : ", (") + std::to_string(d) + ", " + std::to_string(dv) + ")";
+    return s;
+}
+
+// How a call's head dims read in messages: "head dim 128", or "head dims (q/k 192, v 128)".
+std::string dims_str(int64_t d, int64_t dv) {
+    if (d == dv) return "head dim " + std::to_string(d);
+    return "head dims (q/k " + std::to_string(d) + ", v " + std::to_string(dv) + ")";
+}
+
+// The (head dim, value head dim) pairs some family compiled a forward for (sorted, unique): the
+// table is fixed at build time, so it is gathered once (thread-safe static initialisation) rather
+// than on every call.
+const std::vector<std::pair<int64_t, int64_t>>& head_dim_pairs() {
+    static const std::vector<std::pair<int64_t, int64_t>> pairs = [] {
+        std::vector<std::pair<int64_t, int64_t>> v;
+        for (const KernelSet& k : kKernelSets) {
+            const std::pair<int64_t, int64_t> pair{k.head_dim, k.head_dim_v};
+            if (k.fwd != nullptr && std::find(v.begin(), v.end(), pair) == v.end()) v.push_back(pair);
+        }
+        std::sort(v.begin(), v.end());
+        return v;
+    }();
+    return pairs;
+}
+
+// The equal head dims among them.
 const std::vector<int64_t>& head_dims() {
     static const std::vector<int64_t> dims = [] {
         std::vector<int64_t> v;
-        for (const KernelSet& k : kKernelSets) {
-            if (k.fwd != nullptr && std::find(v.begin(), v.end(), k.head_dim) == v.end()) v.push_back(k.head_dim);
+        for (const auto& [d, dv] : head_dim_pairs()) {
+            if (d == dv) v.push_back(d);
         }
-        std::sort(v.begin(), v.end());
         return v;
     }();
     return dims;
@@ -83,6 +110,8 @@ int env_arch() {
 
 std::vector<int64_t> compiled_head_dims() { return head_dims(); }
 
+std::vector<std::pair<int64_t, int64_t>> compiled_head_dim_pairs() { return head_dim_pairs(); }
+
 std::vector<std::string> compiled_dtypes() {
     std::vector<std::string> names;
     for (DType t : {DType::fp16, DType::bf16}) {
@@ -96,41 +125,53 @@ std::vector<std::string> compiled_dtypes() {
     return names;
 }
 
-std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype) {
+std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, int64_t head_dim_v) {
+    if (head_dim_v == 0) head_dim_v = head_dim;
     std::vector<int64_t> archs;
     for (const KernelSet& k : kKernelSets) {
-        if (k.fwd != nullptr && k.head_dim == head_dim && dtype == dtype_name(k.dtype)) archs.push_back(k.arch);
+        if (k.fwd != nullptr && k.head_dim == head_dim && k.head_dim_v == head_dim_v && dtype == dtype_name(k.dtype))
+            archs.push_back(k.arch);
     }
     return archs;
 }
 
-Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot) {
+Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot) {
     if (arch == 0) arch = env_arch();
     TORCH_CHECK(arch == 0 || arch == 80 || arch == 90, "flashmask: unknown kernel architecture ", std::to_string(arch),
                 " (FLASHMASK_ARCH / backend): choose 80 or 90");
     TORCH_CHECK(arch == 0 || runs_on(arch, cc), "flashmask: the sm", std::to_string(arch),
                 " kernels cannot run on a device of compute capability ", std::to_string(cc));
-    const std::vector<int64_t>& dims = head_dims();
-    const auto it = std::find_if(dims.begin(), dims.end(), [d](int64_t k) { return d <= k; });
-    TORCH_CHECK(it != dims.end(), "flashmask: head dim ", std::to_string(d),
-                " is larger than every head dim this build compiled (", join(dims),
-                "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
-    const int head_dim = int(*it);
+    const std::vector<std::pair<int64_t, int64_t>>& pairs = head_dim_pairs();
+    const auto it = std::find_if(pairs.begin(), pairs.end(), [d, dv](const std::pair<int64_t, int64_t>& k) {
+        return d <= k.first && dv <= k.second;
+    });
+    if (d == dv) {
+        TORCH_CHECK(it != pairs.end(), "flashmask: head dim ", std::to_string(d),
+                    " is larger than every head dim this build compiled (", join(head_dims()),
+                    "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
+    } else {
+        TORCH_CHECK(it != pairs.end(), "flashmask: ", dims_str(d, dv),
+                    " fit no (head dim, value head dim) pair this build compiled (", join(pairs),
+                    "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
+    }
+    const int head_dim = int(it->first), head_dim_v = int(it->second);
+    auto serves = [&](const KernelSet& k) { return k.head_dim == head_dim && k.head_dim_v == head_dim_v; };
     // A family without a backward yet leaves the backward of a forced family to the newest that has one.
     if (slot != Slot::fwd && arch != 0) {
         bool any = false;
-        for (const KernelSet& k : kKernelSets) any |= k.arch == arch && has(k, slot) && k.head_dim == head_dim;
+        for (const KernelSet& k : kKernelSets) any |= k.arch == arch && has(k, slot) && serves(k);
         if (!any) arch = 0;
     }
     const KernelSet* best = nullptr;
     for (const KernelSet& k : kKernelSets) {
-        if (!has(k, slot) || k.head_dim != head_dim || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
+        if (!has(k, slot) || !serves(k) || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
         if (arch != 0 && k.arch != arch) continue;
         if (best == nullptr || k.arch > best->arch) best = &k;
     }
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),
-                "kernel compiled for head dim ", std::to_string(head_dim), " and dtype ", dtype_name(dtype),
-                " (this build: head dims ", join(dims), "; FLASHMASK_HEAD_DIMS / FLASHMASK_DTYPES / FLASHMASK_ARCHS)");
+                "kernel compiled for ", dims_str(d, dv), " and dtype ", dtype_name(dtype),
+                " (this build: head dim pairs ", join(pairs),
+                "; FLASHMASK_HEAD_DIMS / FLASHMASK_DTYPES / FLASHMASK_ARCHS)");
     return {best, tiles_of(*best)};
 }
 

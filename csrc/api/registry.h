@@ -1,9 +1,10 @@
 // The kernels this build compiled, as a table generated from csrc/instantiations.py, and the
-// choice among them for a device, a head dim and a dtype.
+// choice among them for a device, a (head dim, value head dim) pair and a dtype.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/params.h"
@@ -15,10 +16,12 @@ enum class DType { fp16, bf16 };
 using FwdFn = void (*)(const AttnParams&, cudaStream_t);
 using BwdFn = void (*)(const BwdParams&, cudaStream_t);
 
-// The kernels of one (architecture family, head dim, dtype); a family leaves the slots it lacks null.
+// The kernels of one (architecture family, head dim, value head dim, dtype); a family leaves the
+// slots it lacks null.
 struct KernelSet {
-    int arch;  // 80: mma.sync kernels (sm_80 and later), 90: wgmma/TMA kernels (sm_90a)
-    int head_dim;
+    int arch;        // 80: mma.sync kernels (sm_80 and later), 90: wgmma/TMA kernels (sm_90a)
+    int head_dim;    // of q and k
+    int head_dim_v;  // of v and the output
     DType dtype;
     FwdFn fwd;
     BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
@@ -37,14 +40,18 @@ struct Selection {
     TileSizes tiles;
 };
 
-// The head dims and dtypes some architecture family compiled (sorted, unique).
+// The equal head dims, the (head dim, value head dim) pairs (equal ones included) and the dtypes
+// some architecture family compiled (sorted, unique).
 std::vector<int64_t> compiled_head_dims();
+std::vector<std::pair<int64_t, int64_t>> compiled_head_dim_pairs();
 std::vector<std::string> compiled_dtypes();
-// The architecture families compiled for (head dim, dtype), e.g. {80, 90}.
-std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
+// The architecture families compiled for (head dim, value head dim, dtype), e.g. {80, 90};
+// head_dim_v 0 means equal to head_dim.
+std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, int64_t head_dim_v = 0);
 
-// The kernels for head dim d (rounded up to the smallest compiled one that holds it) and dtype on
-// a device of compute capability `cc` (major * 10 + minor). `arch` 0 takes the newest family the
+// The kernels for head dims (d, dv) of q/k and v and dtype on a device of compute capability `cc`
+// (major * 10 + minor): those of the smallest compiled pair (by head dim, then value head dim) that
+// holds both, whose kernels predicate the columns past d and dv. `arch` 0 takes the newest family the
 // device runs, unless the environment variable FLASHMASK_ARCH names one (read once, at the first
 // call of the process); 80 or 90 asks for that family and raises if it is not compiled or the
 // device cannot run it.
@@ -52,6 +59,6 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype);
 // deterministic backward. A forced family that lacks them leaves the call to the newest family that
 // has them.
 enum class Slot { fwd, bwd, bwd_deterministic };
-Selection select_kernels(int d, DType dtype, int cc, int arch, Slot slot);
+Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot);
 
 }  // namespace flashmask

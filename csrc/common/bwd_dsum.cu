@@ -1,4 +1,4 @@
-// The backward's preprocessing: D = rowsum(dO * O) - dLSE, and where asked LSE * log2(e), the
+// The backward's preprocessing: D = rowsum(dO * O) - dLSE (over the value head dim), and where asked LSE * log2(e), the
 // zeroing of the dQ accumulator and of the SM90 backward's job counter; rows past Sq (up to
 // stats_stride) get D = 0 and LSE * log2(e) = +inf.
 //
@@ -24,7 +24,7 @@ struct DsumArgs {
     float* lse_log2;
     float* dq_accum;
     int* job_counter;
-    int accum_row, sq, stride, hq, d;
+    int accum_row, sq, stride, hq, d;  // d: the value head dim, over which D sums
     int64_t do_b, do_s, do_h, o_b, o_s, o_h, rows;
 };
 
@@ -97,6 +97,7 @@ bool aligned16(const void* ptr, int64_t b, int64_t s, int64_t h, int elem) {
 
 template <typename Element>
 void run(const BwdParams& p, const float* dlse, cudaStream_t stream) {
+    const int d_v = p.d_v;  // the value head dim
     const DsumArgs g{p.lse,
                      dlse,
                      const_cast<float*>(p.dsum),
@@ -107,7 +108,7 @@ void run(const BwdParams& p, const float* dlse, cudaStream_t stream) {
                      p.sq,
                      p.stats_stride,
                      p.hq,
-                     p.d,
+                     d_v,
                      p.do_batch_stride,
                      p.do_row_stride,
                      p.do_head_stride,
@@ -117,11 +118,11 @@ void run(const BwdParams& p, const float* dlse, cudaStream_t stream) {
                      int64_t(p.b) * p.hq * p.stats_stride};
     if (g.rows == 0) return;
     constexpr int kElem = sizeof(Element);
-    const bool pieces = p.d % (16 / kElem) == 0 &&
+    const bool pieces = d_v % (16 / kElem) == 0 &&
                         aligned16(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, kElem) &&
                         aligned16(p.o, p.o_batch_stride, p.o_row_stride, p.o_head_stride, kElem);
     if (!pieces) return launch<Element, 32, false>(p, g, stream);
-    const int lanes = p.d / (16 / kElem);  // one piece per lane where the head dim allows
+    const int lanes = d_v / (16 / kElem);  // one piece per lane where the head dim allows
     if (lanes <= 8) return launch<Element, 8, true>(p, g, stream);
     if (lanes <= 16) return launch<Element, 16, true>(p, g, stream);
     launch<Element, 32, true>(p, g, stream);

@@ -1,4 +1,5 @@
-// Split-KV: merges the partial outputs of the splits through their LSEs (one warp per row).
+// Split-KV: merges the partial outputs of the splits through their LSEs (one warp per row, over its
+// value head dim).
 #include <c10/cuda/CUDAException.h>
 #include <cutlass/numeric_types.h>
 
@@ -22,7 +23,7 @@ __global__ void fwd_combine_kernel(const AttnParams p) {
     for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, lse_s[s * rows]);
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (m == -INFINITY) {  // no split saw a key: the row is empty
-        for (int c = lane; c < p.d; c += 32) out[c] = Element(0.f);
+        for (int c = lane; c < p.d_v; c += 32) out[c] = Element(0.f);
         if (lane == 0) p.lse[row] = INFINITY;
         return;
     }
@@ -30,10 +31,10 @@ __global__ void fwd_combine_kernel(const AttnParams p) {
     for (int s = lane; s < p.num_splits; s += 32) sum += __expf(lse_s[s * rows] - m);
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float lse = m + __logf(sum);
-    for (int c = lane; c < p.d; c += 32) {
+    for (int c = lane; c < p.d_v; c += 32) {
         float acc = 0.f;
         for (int s = 0; s < p.num_splits; ++s) {
-            acc += __expf(lse_s[s * rows] - lse) * p.o_partial[(s * rows + row) * p.d + c];
+            acc += __expf(lse_s[s * rows] - lse) * p.o_partial[(s * rows + row) * p.d_v + c];
         }
         out[c] = Element(acc);
     }

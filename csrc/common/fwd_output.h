@@ -15,19 +15,19 @@ namespace flashmask {
 template <typename Element>
 struct FwdOutput {
     Element* o;     // row 0 of this (batch, head) in p.o
-    float* o_part;  // split-KV: row 0 of this split's [Sq, D] partial output, else nullptr
+    float* o_part;  // split-KV: row 0 of this split's [Sq, Dv] partial output, else nullptr
     float* lse;     // row 0 of the LSE (or the split's partial LSE)
     int64_t row_stride;
-    int d;
+    int d;  // the value head dim: the columns of O
 
     __forceinline__ __device__ FwdOutput(const AttnParams& p, int b, int h, int split_idx) {
         const bool split = p.num_splits > 1;
         const int64_t row_base = (int64_t(split_idx) * p.b * p.hq + int64_t(b) * p.hq + h) * p.sq;
         o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-        o_part = split ? p.o_partial + row_base * p.d : nullptr;
+        o_part = split ? p.o_partial + row_base * p.d_v : nullptr;
         lse = (split ? p.lse_partial : p.lse) + row_base;
         row_stride = p.o_row_stride;
-        d = p.d;
+        d = p.d_v;
     }
 
     // Rows [r0, r1) see no key: output 0 and LSE +inf (in a split, -inf: it adds nothing to the merge).

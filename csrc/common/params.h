@@ -5,7 +5,8 @@
 namespace flashmask {
 
 struct AttnParams {
-    // Tensors q [B, Sq, Hq, D], k/v [B, Sk, Hk, D], o [B, Sq, Hq, D]; last dim contiguous.
+    // Tensors q [B, Sq, Hq, D], k [B, Sk, Hk, D], v [B, Sk, Hk, Dv], o [B, Sq, Hq, Dv]; last dim
+    // contiguous. D is the head dim of q and k, Dv that of v and the output (== D but for an unequal pair).
     const void* q;
     const void* k;
     const void* v;
@@ -15,7 +16,7 @@ struct AttnParams {
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
-    int b, sq, sk, hq, hk, d;
+    int b, sq, sk, hq, hk, d, d_v;
     int q_per_kv_head;  // Hq / Hk
     float softmax_scale, scale_log2;
 
@@ -30,7 +31,7 @@ struct AttnParams {
 
     // Split-KV (Flash-Decoding): with num_splits > 1 the key blocks of a query tile are shared out
     // among num_splits CTAs, each writing a normalised partial output and its LSE (-inf where
-    // it saw nothing); a combine kernel merges them. [num_splits, B, Hq, Sq, D] and [num_splits, B, Hq, Sq].
+    // it saw nothing); a combine kernel merges them. [num_splits, B, Hq, Sq, Dv] and [num_splits, B, Hq, Sq].
     int num_splits;
     float* o_partial;
     float* lse_partial;
@@ -55,9 +56,9 @@ struct AttnParams {
     int* job_counter;
 };
 
-// The backward adds dO, the row sums D = rowsum(dO * O) - dLSE, and the gradients.
+// The backward adds dO, the row sums D = rowsum(dO * O) - dLSE (over Dv), and the gradients.
 struct BwdParams : AttnParams {
-    const void* dout;  // [B, Sq, Hq, D], last dim contiguous
+    const void* dout;  // [B, Sq, Hq, Dv], last dim contiguous
     int64_t do_batch_stride, do_row_stride, do_head_stride;
     // D per (batch, head) row of stats_stride entries: Sq, or for the SM90 kernel Sq rounded up to its
     // query block, the padding 0, so that a block's values load as one aligned bulk copy; there also
@@ -70,7 +71,7 @@ struct BwdParams : AttnParams {
     // Deterministic SM90 backward: zeroed int32 [B, Hq, query blocks], one more than the last key
     // block that added to each query block's dQ (they add in order: sm90/bwd_dq_warps.h); nullptr otherwise.
     int* dq_semaphore;
-    // dK, dV [B, Sk, Hq, D]: one slice per query head (a GQA group is summed afterwards).
+    // dK [B, Sk, Hq, D], dV [B, Sk, Hq, Dv]: one slice per query head (a GQA group is summed afterwards).
     void* dk;
     void* dv;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;

@@ -11,7 +11,7 @@ namespace flashmask {
 void run_fwd_combine_fp16(const AttnParams&, cudaStream_t);
 void run_fwd_combine_bf16(const AttnParams&, cudaStream_t);
 
-// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dLSE[b, h, i] into p.dsum (dlse may be null);
+// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dLSE[b, h, i] (d < Dv) into p.dsum (dlse may be null);
 // also zeroes p.dq_accum (where p.dq_accum_row > 0) and *p.job_counter (where not null).
 void run_bwd_dsum_fp16(const BwdParams&, const float* dlse, cudaStream_t);
 void run_bwd_dsum_bf16(const BwdParams&, const float* dlse, cudaStream_t);

@@ -30,6 +30,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     constexpr bool Has_mask = kMaskC > 0;
     using TileQ = typename Traits::TileQ;
     using TileKV = typename Traits::TileKV;
+    using TileDO = typename Traits::TileDO;
+    using TileV = typename Traits::TileV;
     using TileS = typename Traits::TileS;
 
     extern __shared__ __align__(128) char smem[];
@@ -45,12 +47,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     const int c0 = n_block * kBlockN;
     const int m_end = (p.sq + kBlockM - 1) / kBlockM;
     const int causal_offset = p.sk - p.sq;
+    const int d_v = p.d_v;  // the value head dim
 
     Element* smem_k = reinterpret_cast<Element*>(smem);
     Element* smem_v = smem_k + cosize_v<typename Traits::SmemLayoutKV>;
-    Element* smem_q = smem_v + cosize_v<typename Traits::SmemLayoutKV>;
+    Element* smem_q = smem_v + cosize_v<typename Traits::SmemLayoutV>;
     Element* smem_do = smem_q + Traits::kQStages * cosize_v<typename Traits::SmemLayoutQ>;
-    Element* smem_p = smem_do + Traits::kQStages * cosize_v<typename Traits::SmemLayoutQ>;
+    Element* smem_p = smem_do + Traits::kQStages * cosize_v<typename Traits::SmemLayoutDO>;
     Element* smem_ds = smem_p + cosize_v<typename Traits::SmemLayoutPdS>;
     int* smem_mask = reinterpret_cast<int*>(smem_ds + cosize_v<typename Traits::SmemLayoutPdS>);
     int* smem_bounds = smem_mask + 4 * kBlockN;
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     }
     const QueryBlockWalk<kBlockM, kBlockN, Is_causal, Has_mask> walk{smem_bounds, c0, p.sq, p.sk, causal_offset, m_end};
     Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{});
     Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
     Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutPdS{});
     Tensor sPt = make_tensor(make_smem_ptr(smem_p), typename Traits::SmemLayoutPdSt{});
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     typename Traits::TiledMmaQ mma_q;
     auto thr_q = mma_q.get_thread_slice(tidx);
     Tensor acc_dk = partition_fragment_C(mma_kv, TileKV{});
-    Tensor acc_dv = partition_fragment_C(mma_kv, TileKV{});
+    Tensor acc_dv = partition_fragment_C(mma_kv, TileV{});
     clear(acc_dk);
     clear(acc_dv);
 
@@ -91,20 +94,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     const BwdHead<Element> head(p, b, h);
 
     if (m_block < m_end) {
+        // Q and K rows are p.d wide, dO and V rows d_v.
         typename Traits::GmemTiledCopy gmem_copy;
         auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+        typename Traits::CopiesV::GmemTiledCopy gmem_copy_v;
+        auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
         Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(TileKV{}));
         Tensor tQc = gmem_thr.partition_S(make_identity_tensor(TileQ{}));
-        auto sQ_at = [&](Element* base, int stage) {
-            return make_tensor(make_smem_ptr(base + stage * cosize_v<typename Traits::SmemLayoutQ>),
+        Tensor tVc = gmem_thr_v.partition_S(make_identity_tensor(TileV{}));
+        Tensor tdOc = gmem_thr_v.partition_S(make_identity_tensor(TileDO{}));
+        auto sQ_at = [&](int stage) {
+            return make_tensor(make_smem_ptr(smem_q + stage * cosize_v<typename Traits::SmemLayoutQ>),
                                typename Traits::SmemLayoutQ{});
+        };
+        auto sdO_at = [&](int stage) {
+            return make_tensor(make_smem_ptr(smem_do + stage * cosize_v<typename Traits::SmemLayoutDO>),
+                               typename Traits::SmemLayoutDO{});
         };
         auto load_q_do = [&](int m, int stage) {
             const int rows = p.sq - m * kBlockM;
             copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.q, p.q_row_stride, m * kBlockM)),
-                       gmem_thr.partition_D(sQ_at(smem_q, stage)), tQc, rows, p.d);
-            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.dout, p.do_row_stride, m * kBlockM)),
-                       gmem_thr.partition_D(sQ_at(smem_do, stage)), tQc, rows, p.d);
+                       gmem_thr.partition_D(sQ_at(stage)), tQc, rows, p.d);
+            copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gmem_rows<TileDO>(head.dout, p.do_row_stride, m * kBlockM)),
+                       gmem_thr_v.partition_D(sdO_at(stage)), tdOc, rows, d_v);
         };
         // LSE and D of query block m (single-buffered: loaded once the previous block's are used).
         auto load_rows = [&](int m) {
@@ -121,8 +133,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
         const int n_valid = p.sk - c0;
         copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)),
                    gmem_thr.partition_D(sK), tKVc, n_valid, p.d);
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.v, p.v_row_stride, c0)),
-                   gmem_thr.partition_D(sV), tKVc, n_valid, p.d);
+        copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gmem_rows<TileV>(head.v, p.v_row_stride, c0)),
+                   gmem_thr_v.partition_D(sV), tVc, n_valid, d_v);
         if (Has_mask) stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask.cols, c0, p.sk, tidx);
         load_q_do(m_block, 0);
         load_rows(m_block);
@@ -162,10 +174,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
                 load_q_do(m_next, stage ^ 1);
                 cp_async_fence();
             }
-            Tensor sQ = sQ_at(smem_q, stage);
-            Tensor sdO = sQ_at(smem_do, stage);
+            Tensor sQ = sQ_at(stage);
+            Tensor sdO = sdO_at(stage);
             Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
-            Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+            Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutDOt{});
 
             Tensor acc_s = partition_fragment_C(mma_sdp, TileS{});
             clear(acc_s);
@@ -228,11 +240,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     Element* dv_ptr =
         reinterpret_cast<Element*>(p.dv) + b * p.dv_batch_stride + h * p.dv_head_stride + int64_t(c0) * p.dv_row_stride;
     Tensor gdK = make_tensor(make_gmem_ptr(dk_ptr), TileKV{}, make_stride(p.dk_row_stride, _1{}));
-    Tensor gdV = make_tensor(make_gmem_ptr(dv_ptr), TileKV{}, make_stride(p.dv_row_stride, _1{}));
+    Tensor gdV = make_tensor(make_gmem_ptr(dv_ptr), TileV{}, make_stride(p.dv_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dk, mma_kv, sK, gdK,
                                                                                            p.sk - c0, p.d, tidx);
-    store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dv, mma_kv, sV, gdV,
-                                                                                           p.sk - c0, p.d, tidx);
+    store_tile<typename Traits::SmemCopyAtomC, typename Traits::CopiesV::GmemTiledCopyOut, Element>(
+        acc_dv, mma_kv, sV, gdV, p.sk - c0, d_v, tidx);
 }
 
 }  // namespace flashmask::sm80

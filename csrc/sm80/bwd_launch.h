@@ -9,10 +9,11 @@
 
 namespace flashmask::sm80 {
 
-// dK, dV, and, when p.dq_accum is set, dQ by atomics into it and then into p.dq.
-template <int kHeadDim, typename Element>
+// dK, dV, and, when p.dq_accum is set, dQ by atomics into it and then into p.dq. kHeadDim: Q, K, dQ,
+// dK; kHeadDimV: V, dO, dV (p.d <= kHeadDim, the value head dim <= kHeadDimV).
+template <int kHeadDim, int kHeadDimV, typename Element>
 void run_bwd_kv(const BwdParams& p, cudaStream_t stream) {
-    using Traits = BwdTraits<kHeadDim, Element>;
+    using Traits = BwdTraits<kHeadDim, kHeadDimV, Element>;
     const dim3 grid((p.sk + Traits::kBlockN - 1) / Traits::kBlockN * p.hq, 1, p.b);
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         constexpr bool causal = decltype(is_causal)::value;
@@ -30,9 +31,9 @@ void run_bwd_kv(const BwdParams& p, cudaStream_t stream) {
 }
 
 // Deterministic dQ (written to p.dq), after run_bwd_kv without atomics.
-template <int kHeadDim, typename Element>
+template <int kHeadDim, int kHeadDimV, typename Element>
 void run_bwd_dq(const BwdParams& p, cudaStream_t stream) {
-    using Traits = BwdTraits<kHeadDim, Element>;
+    using Traits = BwdTraits<kHeadDim, kHeadDimV, Element>;
     const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);
     dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
         launch_with_smem(&bwd_dq_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,

@@ -72,39 +72,44 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_h * p.v_head_stride;
 
     using TileQ = typename Traits::TileQ;
-    using TileKV = typename Traits::TileKV;
+    using TileK = typename Traits::TileK;
+    using TileV = typename Traits::TileV;
     Tensor gQ = make_tensor(make_gmem_ptr(q_ptr + r0 * p.q_row_stride), TileQ{}, make_stride(p.q_row_stride, _1{}));
     auto gK_at = [&](int n) {
-        return make_tensor(make_gmem_ptr(k_ptr + int64_t(n) * kBlockN * p.k_row_stride), TileKV{},
+        return make_tensor(make_gmem_ptr(k_ptr + int64_t(n) * kBlockN * p.k_row_stride), TileK{},
                            make_stride(p.k_row_stride, _1{}));
     };
     auto gV_at = [&](int n) {
-        return make_tensor(make_gmem_ptr(v_ptr + int64_t(n) * kBlockN * p.v_row_stride), TileKV{},
+        return make_tensor(make_gmem_ptr(v_ptr + int64_t(n) * kBlockN * p.v_row_stride), TileV{},
                            make_stride(p.v_row_stride, _1{}));
     };
 
     Element* smem_q = reinterpret_cast<Element*>(smem);
     Element* smem_k = reinterpret_cast<Element*>(smem + Traits::kSmemQBytes);
-    Element* smem_v = reinterpret_cast<Element*>(smem + Traits::kSmemQBytes + Traits::kSmemKVBytes);
-    int* smem_mask = reinterpret_cast<int*>(smem + Traits::kSmemQBytes + 2 * Traits::kSmemKVBytes);
+    Element* smem_v = reinterpret_cast<Element*>(smem + Traits::kSmemQBytes + Traits::kSmemKBytes);
+    int* smem_mask = reinterpret_cast<int*>(smem + Traits::kSmemQBytes + Traits::kSmemKBytes + Traits::kSmemVBytes);
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
-    Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});
+    Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutV{});
     Tensor sVt = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutVt{});
 
-    // Global -> shared copies, predicated on the rows that exist and the real head dim.
+    // Global -> shared copies, predicated on the rows that exist and the real head dims (p.d for Q
+    // and K, p.d_v for V).
     typename Traits::GmemTiledCopy gmem_copy;
     auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+    typename Traits::CopiesV::GmemTiledCopy gmem_copy_v;
+    auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
     Tensor tQsQ = gmem_thr.partition_D(sQ);
     Tensor tKsK = gmem_thr.partition_D(sK);
-    Tensor tVsV = gmem_thr.partition_D(sV);
+    Tensor tVsV = gmem_thr_v.partition_D(sV);
     Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(TileQ{}));
-    Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(TileKV{}));
+    Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(TileK{}));
+    Tensor tVcV = gmem_thr_v.partition_S(make_identity_tensor(TileV{}));
     auto load_k = [&](int n) {
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gK_at(n)), tKsK, tKVcKV, p.sk - n * kBlockN, p.d);
+        copy_zfill(gmem_copy, gmem_thr.partition_S(gK_at(n)), tKsK, tKcK, p.sk - n * kBlockN, p.d);
     };
     auto load_v = [&](int n) {
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gV_at(n)), tVsV, tKVcKV, p.sk - n * kBlockN, p.d);
+        copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gV_at(n)), tVsV, tVcV, p.sk - n * kBlockN, p.d_v);
     };
 
     typename Traits::TiledMma tiled_mma;
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
     Tensor tSrK = thr_mma.partition_fragment_B(sK);
     Tensor tOrVt = thr_mma.partition_fragment_B(sVt);
-    Tensor acc_o = partition_fragment_C(tiled_mma, TileQ{});
+    Tensor acc_o = partition_fragment_C(tiled_mma, typename Traits::TileO{});
 
     auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
     auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
@@ -177,12 +182,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
     float lse[kRowsPerThread];
     Tensor o_rc = rowcol(acc_o);
     softmax.finalize(o_rc, p.softmax_scale, lse);
-    Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(TileQ{})));
+    Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(typename Traits::TileO{})));
     if (split) {
         output.write_partial(o_rc, cO_rc, lse, r0, r1, tidx);
     } else {
         // Q's buffer is free: every thread finished its last Q*K^T before the loop's final barrier.
-        Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutQ{});
+        Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutO{});
         write_output<Traits>(output, acc_o, tiled_mma, sO, cO_rc, lse, r0, r1, tidx);
     }
 }

@@ -8,9 +8,10 @@
 
 namespace flashmask::sm80 {
 
-template <int kHeadDim, typename Element>
+// kHeadDim: Q and K; kHeadDimV: V and O (p.d <= kHeadDim, p.d_v <= kHeadDimV).
+template <int kHeadDim, int kHeadDimV, typename Element>
 void run_fwd(const AttnParams& p, cudaStream_t stream) {
-    using Traits = FwdTraits<kHeadDim, Element>;
+    using Traits = FwdTraits<kHeadDim, kHeadDimV, Element>;
     const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM * p.hq, 1, p.b * p.num_splits);
     constexpr int smem = Traits::kSmemBytes;
     auto launch = [&](auto is_causal, auto mask_c) {

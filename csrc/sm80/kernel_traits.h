@@ -50,17 +50,23 @@ struct TileCopies {
         cute::Layout<cute::Shape<cute::_1, cute::Int<kGmemElemsPerLoad>>>{}));
 };
 
-template <int kHeadDim_, typename Element_>
-struct FwdTraits : TileCopies<kHeadDim_, Element_, fwd_tile(kHeadDim_).warps * 32> {
-    using Base = TileCopies<kHeadDim_, Element_, fwd_tile(kHeadDim_).warps * 32>;
+// kHeadDim: the head dim of Q and K (S = Q K^T); kHeadDimV: that of V and O (O = P V).
+template <int kHeadDim_, int kHeadDimV_, typename Element_>
+struct FwdTraits : TileCopies<kHeadDim_, Element_, fwd_tile(kHeadDim_, kHeadDimV_).warps * 32> {
+    using Base = TileCopies<kHeadDim_, Element_, fwd_tile(kHeadDim_, kHeadDimV_).warps * 32>;
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = fwd_tile(kHeadDim).block_m;
-    static constexpr int kBlockN = fwd_tile(kHeadDim).block_n;
-    static constexpr int kNWarps = fwd_tile(kHeadDim).warps;
+    static constexpr int kHeadDimV = kHeadDimV_;
+    static constexpr int kBlockM = fwd_tile(kHeadDim, kHeadDimV).block_m;
+    static constexpr int kBlockN = fwd_tile(kHeadDim, kHeadDimV).block_n;
+    static constexpr int kNWarps = fwd_tile(kHeadDim, kHeadDimV).warps;
     static constexpr int kNThreads = kNWarps * 32;
+    // The layouts and copies of V and O rows (the same types as Q's and K's where the dims are equal).
+    using CopiesV = TileCopies<kHeadDimV, Element, kNThreads>;
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
-    using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+    using TileK = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+    using TileV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>>;
+    using TileO = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>;
     using TileS = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>;
 
     // Warps split the query rows; each warp's 16-row MMA atoms cover BlockM / (16 * warps) row groups.
@@ -70,18 +76,26 @@ struct FwdTraits : TileCopies<kHeadDim_, Element_, fwd_tile(kHeadDim_).warps * 3
 
     using SmemLayoutQ = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
                                                      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-    using SmemLayoutKV = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
-                                                      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-    // V seen as (head dim, key): the B operand of P * V, read with transposing ldmatrix.
+    using SmemLayoutK = decltype(cute::tile_to_shape(typename Base::SmemLayoutAtom{},
+                                                     cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+    using SmemLayoutV = decltype(cute::tile_to_shape(typename CopiesV::SmemLayoutAtom{},
+                                                     cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>>{}));
+    // V seen as (value head dim, key): the B operand of P * V, read with transposing ldmatrix.
     using SmemLayoutVt = decltype(cute::composition(
-        SmemLayoutKV{},
-        cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+        SmemLayoutV{},
+        cute::make_layout(cute::Shape<cute::Int<kHeadDimV>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+    // The output tile, staged in Q's buffer (sized for the larger of the two).
+    using SmemLayoutO = decltype(cute::tile_to_shape(typename CopiesV::SmemLayoutAtom{},
+                                                     cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>{}));
 
     // The raw [BlockN, C] mask columns of one key block, staged for partially masked tiles.
     static constexpr int kSmemMaskInts = 4 * kBlockN;
-    static constexpr int kSmemQBytes = int(cute::cosize_v<SmemLayoutQ>) * int(sizeof(Element));
-    static constexpr int kSmemKVBytes = int(cute::cosize_v<SmemLayoutKV>) * int(sizeof(Element));
-    static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes + kSmemMaskInts * int(sizeof(int));
+    static constexpr int kSmemQElems = int(cute::cosize_v<SmemLayoutQ>);
+    static constexpr int kSmemOElems = int(cute::cosize_v<SmemLayoutO>);
+    static constexpr int kSmemQBytes = (kSmemQElems > kSmemOElems ? kSmemQElems : kSmemOElems) * int(sizeof(Element));
+    static constexpr int kSmemKBytes = int(cute::cosize_v<SmemLayoutK>) * int(sizeof(Element));
+    static constexpr int kSmemVBytes = int(cute::cosize_v<SmemLayoutV>) * int(sizeof(Element));
+    static constexpr int kSmemBytes = kSmemQBytes + kSmemKBytes + kSmemVBytes + kSmemMaskInts * int(sizeof(int));
 };
 
 }  // namespace flashmask::sm80

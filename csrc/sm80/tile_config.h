@@ -1,4 +1,5 @@
-// Tile shapes per head dim, readable from plain C++ (the binding) and from the kernels.
+// Tile shapes per head dim, readable from plain C++ (the binding) and from the kernels. The head dim
+// is that of Q and K, the value head dim that of V, O and dO (equal but for a few pairs).
 #pragma once
 
 namespace flashmask::sm80 {
@@ -17,5 +18,12 @@ struct BwdTile {
     int block_m, block_n, warps;
 };
 constexpr BwdTile bwd_tile(int head_dim) { return head_dim <= 128 ? BwdTile{64, 128, 8} : BwdTile{64, 64, 8}; }
+
+// An unequal pair takes the tiles of its wider head dim: those tiles hold that width in every
+// buffer and accumulator, and the narrower side only uses less of the budget ((192, 128): head
+// dim 192's tiles, V, O, dO and dV a third smaller).
+constexpr int wider_head_dim(int head_dim, int head_dim_v) { return head_dim > head_dim_v ? head_dim : head_dim_v; }
+constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) { return fwd_tile(wider_head_dim(head_dim, head_dim_v)); }
+constexpr BwdTile bwd_tile(int head_dim, int head_dim_v) { return bwd_tile(wider_head_dim(head_dim, head_dim_v)); }
 
 }  // namespace flashmask::sm80

@@ -26,15 +26,14 @@ struct BwdEpilogue {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
         using Store = typename Traits::KVStore;
-        const auto shape = make_shape(p.sk, p.d, p.hq, p.b);
         const int wg_barrier = kBwdStoreBarrier + ctid / 128;
         cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqEmptyBarrier);
         Element* const buffer = reinterpret_cast<Element*>(shared.dq);
         const int row_tile0 = job.n_block * Traits::kConsumerWarpgroups;
-        Store::template store<Traits::kBlockN>(args.tma_dk, shape, acc_dk, mma_kv, buffer, row_tile0, job.h, job.b,
-                                               ctid, wg_barrier);
-        Store::template store<Traits::kBlockN>(args.tma_dv, shape, acc_dv, mma_kv, buffer, row_tile0, job.h, job.b,
-                                               ctid, wg_barrier);
+        Store::template store<Traits::kBlockN>(args.tma_dk, make_shape(p.sk, p.d, p.hq, p.b), acc_dk, mma_kv, buffer,
+                                               row_tile0, job.h, job.b, ctid, wg_barrier);
+        Store::template store<Traits::kBlockN>(args.tma_dv, make_shape(p.sk, p.d_v, p.hq, p.b), acc_dv, mma_kv, buffer,
+                                               row_tile0, job.h, job.b, ctid, wg_barrier);
         Store::drain(ctid);
         cutlass::arch::NamedBarrier::sync(128, wg_barrier);
     }

@@ -26,9 +26,9 @@ struct BwdProducer {
         const BwdParams& p = args.p;
         const int lane = threadIdx.x % 32;
         Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
-        Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.sq, p.d, p.hq, p.b));
+        Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.sq, p.d_v, p.hq, p.b));
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
-        Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
+        Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d_v, p.hk, p.b));
         Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
         Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
         Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});

@@ -28,8 +28,8 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     const auto sK = take<0, 2>(typename Traits::SmemLayoutKV{});
     auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, typename Traits::SmemLayoutQ{}, typename Traits::TileQ{}, _1{});
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, sK, typename Traits::TileKV{}, _1{});
-    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, take<0, 2>(typename Traits::SmemLayoutV{}),
-                               typename Traits::TileV{}, _1{});
+    auto tma_v =
+        make_tma_copy(SM90_TMA_LOAD{}, gv, take<0, 2>(typename Traits::SmemLayoutV{}), typename Traits::TileV{}, _1{});
     const auto go =
         tma_view<Element, kHeadDimV>(p.o, p.sq, p.d_v, p.hq, p.b, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
     auto tma_o = Traits::OutStore::make_tma(go);

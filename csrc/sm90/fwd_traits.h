@@ -97,9 +97,10 @@ struct FwdTraits {
 
     // Shared memory for everything but the output buffer, and whether that fits beside it.
     static constexpr int kSmemMainBytes =
-        int(sizeof(Element)) * (cute::cosize_v<SmemLayoutQStages> + cute::cosize_v<SmemLayoutKV> +
-                                cute::cosize_v<SmemLayoutV>) +
-        kSlots * (4 + 16 * kBlockN) + 4096;
+        int(sizeof(Element)) *
+            (cute::cosize_v<SmemLayoutQStages> + cute::cosize_v<SmemLayoutKV> + cute::cosize_v<SmemLayoutV>)+kSlots *
+            (4 + 16 * kBlockN) +
+        4096;
     static constexpr bool kOThroughSmem =
         kSmemMainBytes + int(sizeof(Element)) * cute::cosize_v<SmemLayoutO> <= 227 * 1024;
 

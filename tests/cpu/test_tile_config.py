@@ -1,5 +1,5 @@
 """The SM90 kernels' tile configuration (csrc/sm90/tile_config.h) on the CPU, with a C++ compiler:
-the header is plain C++.
+the header is plain C++. Also the SM80 tiles of the unequal (head dim, value head dim) pairs.
 
 setmaxnreg only moves registers within what the CTA got at launch; a producer / consumer split that
 asks for more makes the consumers' setmaxnreg wait for ever (a head dim 128 forward with 32 producer
@@ -9,6 +9,7 @@ refuses the splits known to overflow.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -46,5 +47,63 @@ def test_register_splits_fit(tmp_path):
         pytest.skip("no C++ compiler")
     src = tmp_path / "fit.cpp"
     src.write_text(PROGRAM)
+    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def _instantiations():
+    spec = importlib.util.spec_from_file_location("fm_inst_tiles", os.path.join(CSRC, "instantiations.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sm80_pair_tiles(tmp_path):
+    """Every SM80 pair's tiles: an equal head dim keeps the tiles of its head dim (the kernels it had
+    before pairs existed), an unequal pair takes those of its wider head dim."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    inst = _instantiations()
+    lines = ['#include "sm80/tile_config.h"', "using namespace flashmask::sm80;",
+             "constexpr bool same(FwdTile a, FwdTile b) {",
+             "    return a.block_m == b.block_m && a.block_n == b.block_n && a.warps == b.warps;", "}",
+             "constexpr bool same(BwdTile a, BwdTile b) {",
+             "    return a.block_m == b.block_m && a.block_n == b.block_n && a.warps == b.warps;", "}"]
+    pairs = inst.arch_head_dim_pairs("sm80")
+    assert (192, 128) in pairs
+    for d, dv in pairs:
+        wide = max(d, dv)
+        for fn in ("fwd_tile", "bwd_tile"):
+            lines.append(f'static_assert(same({fn}({d}, {dv}), {fn}({wide})), "{fn}({d}, {dv})");')
+    lines.append("int main() { return 0; }")
+    src = tmp_path / "pairs.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_sm90_pair_splits_fit(tmp_path):
+    """Every SM90 forward the build list holds (equal head dims and pairs) has a register split that
+    fits its CTA, 64 rows per warpgroup and a pingpong that never skips; every SM90 backward too."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    inst = _instantiations()
+    lines = ['#include "sm90/tile_config.h"', "using namespace flashmask::sm90;"]
+    built = {(i.head_dim, i.head_dim_v, i.kernel) for i in inst.instantiations(archs=["sm90"], dtypes=["bf16"])}
+    assert {(d, dv) for d, dv, k in built if k == "fwd"} >= {(96, 96), (192, 192), (256, 256), (192, 128)}
+    for d, dv, kernel in sorted(built):
+        if kernel == "fwd":
+            t = f"fwd_tile({d}, {dv})"
+            lines += [f'static_assert(fwd_registers_fit({d}, {dv}), "{t}: split");',
+                      f'static_assert({t}.block_m == 64 * {t}.consumer_warpgroups, "{t}: rows");',
+                      f'static_assert(!{t}.group_sight || {t}.consumer_warpgroups == 3, "{t}: pingpong skips");',
+                      f'static_assert({t}.block_n == 128 || !{t}.compare_by_quarters, "{t}: quarters");']
+        else:
+            lines.append(f'static_assert(bwd_tile({d}).dq_warps >= 1 && bwd_tile({d}).dq_warps <= 3, "bwd {d}");')
+    lines.append("int main() { return 0; }")
+    src = tmp_path / "sm90.cpp"
+    src.write_text("\n".join(lines))
     run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

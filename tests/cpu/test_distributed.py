@@ -516,7 +516,7 @@ def test_four_processes(world4, name):
 # transformers + FSDP2 on a (dp=1, cp=2) DeviceMesh, gloo: loss and gradients equal one process's
 
 
-def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0):
+def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     import transformers
 
     import flashmask.distributed.hf as cp_hf
@@ -525,13 +525,23 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0):
     from flashmask.distributed import fsdp as fm_fsdp
     from flashmask.losses import causal_lm_loss
 
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
-                                   attention_dropout=0.0, tie_word_embeddings=True)
+    if kind == "deepseek_v3":  # multi-head latent attention: q/k head dim 12 + 4, v head dim 8; dense MLPs
+        cfg = transformers.DeepseekV3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,
+                                            kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=12,
+                                            qk_rope_head_dim=4, v_head_dim=8, vocab_size=64,
+                                            max_position_embeddings=128, attention_dropout=0.0,
+                                            tie_word_embeddings=True)
+        cls = transformers.DeepseekV3ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                                       attention_dropout=0.0, tie_word_embeddings=True)
+        cls = transformers.LlamaForCausalLM
 
     def build():
         torch.manual_seed(0)
-        m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
+        m = cls._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
         return m.train()
 
     g = torch.Generator().manual_seed(5)
@@ -658,7 +668,8 @@ def _hf_dpo_case(mode, rank):
 
 _HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv-offloaded-checkpoints",
              "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv",
-             "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp"]
+             "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp",
+             "hf-fsdp2-deepseek_v3-allgather_kv", "hf-fsdp2-deepseek_v3-ulysses"]
 
 
 def _hf_worker(rank, world, init_file, outdir, names):
@@ -668,7 +679,8 @@ def _hf_worker(rank, world, init_file, outdir, names):
             _hf_dpo_case(mode, rank)
         else:
             _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
-                     mlp_chunk=7 if "chunked-mlp" in name else 0)
+                     mlp_chunk=7 if "chunked-mlp" in name else 0,
+                     kind="deepseek_v3" if "deepseek_v3" in name else "llama")
 
     _run_cases(rank, world, init_file, outdir, names, run_one)
 

@@ -4,7 +4,12 @@ For every (family, seqlen, head dim) the mask is ``masks.examples.example(family
 method gets exactly that mask (FlexAttention through a mask_mod read from the same
 ``startend_row_indices``; SDPA through the dense bool mask, or ``is_causal`` for the flash and cuDNN
 backends when the mask is plain causal or full). FLOPs are counted on unmasked pairs only
-(fwd = 4*B*H*D*pairs, bwd = 2.5x), so TFLOP/s of different methods on one row compare their times directly.
+(fwd = 2*B*H*(Dqk + Dv)*pairs, i.e. 4*B*H*D*pairs with equal head dims; bwd = 2.5x), so TFLOP/s of
+different methods on one row compare their times directly.
+
+``--head-dim-v`` gives v a head dim of its own (MLA, DeepSeek-V2/V3: ``--head-dims 192 --head-dim-v
+128``): every method gets the same q, k ``[.., Dqk]`` and v ``[.., Dv]``; flash and cuDNN SDPA get
+``n/a`` rows where they refuse the pair, and the D column reads ``Dqk/Dv``.
 
 ``--methods ...,flashmask_det`` adds flashmask with ``deterministic=True`` (bitwise reproducible
 gradients): backward rows only (its forward is the default one), next to ``flashmask`` so that the
@@ -17,6 +22,7 @@ Example::
     python -m benchmarks.bench_kernels --modes fwd,bwd,fwdbwd --methods flashmask,flex --quick
     python -m benchmarks.bench_kernels --methods flashmask,flashmask_det --modes bwd,fwdbwd
     python -m benchmarks.bench_kernels --heads 16 --kv-heads 4 --modes bwd   # GQA, 4 query heads a group
+    python -m benchmarks.bench_kernels --head-dims 192 --head-dim-v 128      # DeepSeek-V3's MLA head dims
 """
 from __future__ import annotations
 
@@ -40,8 +46,9 @@ from benchmarks.timing import MODES, make_inputs, try_time
 
 DEFAULT_METHODS = ",".join(METHODS)
 MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
-FIELDS = ("family", "seqlen", "head_dim", "heads", "kv_heads", "batch", "mode", "method", "status", "density",
-          "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
+FIELDS = ("family", "seqlen", "head_dim", "head_dim_v", "heads", "kv_heads", "batch", "mode", "method", "status",
+          "density", "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
+FLOP_CONVENTION = "fwd=2*B*H*(Dqk+Dv)*pairs (4*B*H*D*pairs with equal head dims), bwd=2.5x, fwd+bwd=3.5x"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_kernels.py",
         description="Time flashmask against FlexAttention and SDPA on every mask family "
-                    "(TFLOP/s counted on unmasked pairs: fwd = 4*B*H*D*pairs, bwd = 2.5x, fwd+bwd = 3.5x).",
+                    "(TFLOP/s counted on unmasked pairs: fwd = 2*B*H*(Dqk + Dv)*pairs, bwd = 2.5x, "
+                    "fwd+bwd = 3.5x).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--families", default="all", help=f"comma list or 'all': {', '.join(masks.FAMILIES)}")
     p.add_argument("--seqlens", default="8192,32768", help="comma list; 'k' suffix = 1024 (e.g. 8k,32k,128k)")
-    p.add_argument("--head-dims", default="128", help="comma list of head dims")
+    p.add_argument("--head-dims", default="128", help="comma list of head dims (of q and k)")
+    p.add_argument("--head-dim-v", type=int, default=None,
+                   help="v's head dim for every --head-dims entry (MLA: --head-dims 192 --head-dim-v 128); "
+                        "default: equal to the q/k head dim")
     p.add_argument("--heads", type=int, default=16, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads, a divisor of --heads (GQA: flashmask sums dK and dV over each group; "
@@ -90,6 +101,8 @@ def parse_args(argv=None):
         args.methods = parse_choice_list(args.methods, ALL_METHODS, "methods")
     except ValueError as e:
         parser.error(str(e))
+    if args.head_dim_v is not None and args.head_dim_v < 1:
+        parser.error(f"--head-dim-v must be a positive int, got {args.head_dim_v}")
     if args.kv_heads is None:
         args.kv_heads = args.heads
     if args.kv_heads < 1 or args.heads % args.kv_heads:
@@ -112,7 +125,8 @@ def summary_table(rows) -> str:
     deterministic flashmask: its ms and its time relative to the default flashmask)."""
     groups = OrderedDict()
     for r in rows:
-        groups.setdefault((r["family"], r["seqlen"], r["head_dim"], r["mode"]), {})[r["method"]] = r
+        d = r["head_dim"] if r.get("head_dim_v") in (None, r["head_dim"]) else f"{r['head_dim']}/{r['head_dim_v']}"
+        groups.setdefault((r["family"], r["seqlen"], d, r["mode"]), {})[r["method"]] = r
     with_det = any(r["method"] == "flashmask_det" for r in rows)
     table = []
     for (fam, s, d, mode), by in groups.items():
@@ -190,14 +204,16 @@ def plot_families(rows, out_dir: str):
 
 def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=None, build_ms=None, first=None,
          host=None, notes=""):
-    return {"family": fam, "seqlen": s, "head_dim": d, "heads": args.heads, "kv_heads": args.kv_heads,
+    dv = d if args.head_dim_v is None else args.head_dim_v
+    return {"family": fam, "seqlen": s, "head_dim": d, "head_dim_v": dv, "heads": args.heads, "kv_heads": args.kv_heads,
             "batch": args.batch, "mode": mode,
             "method": method, "status": status, "density": density, "pairs": pairs, "ms": ms, "tflops": tflops,
             "mask_build_ms": build_ms, "first_call_s": first, "host_ms": host, "notes": notes}
 
 
 def _progress(i, total, r):
-    what = (f"{r['family']} S={fmt_len(r['seqlen'])} D={r['head_dim']} {MODE_LABEL[r['mode']]:7s} "
+    d = r["head_dim"] if r.get("head_dim_v") in (None, r["head_dim"]) else f"{r['head_dim']}/{r['head_dim_v']}"
+    what = (f"{r['family']} S={fmt_len(r['seqlen'])} D={d} {MODE_LABEL[r['mode']]:7s} "
             f"{r['method']:13s}")
     if r["status"] == "ok":
         res = f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  first call {r['first_call_s']:.2f} s"
@@ -217,7 +233,7 @@ def run(args) -> list:
     opts = Options(flashmask_backend=args.flashmask_backend, flex_compile=not args.flex_no_compile,
                           flex_block_mask=args.flex_block_mask, dense_mem_fraction=args.dense_mem_fraction)
     meta = {"script": "bench_kernels", "args": {k: v for k, v in vars(args).items()},
-            "env": environment(device), "flop_convention": "fwd=4*B*H*D*pairs, bwd=2.5x, fwd+bwd=3.5x"}
+            "env": environment(device), "flop_convention": FLOP_CONVENTION}
     env = meta["env"]
     print(f"device {env.get('gpu', device)} | torch {env['torch']} | triton {env['triton']} | flashmask kernels "
           f"{env.get('flashmask_kernels')}", flush=True)
@@ -244,7 +260,7 @@ def run(args) -> list:
             pairs = total_pairs(startend, causal, batch=args.batch, heads=args.heads, seqlen_q=s, seqlen_k=s)
             density = pairs / (args.batch * args.heads * s * s)
             tensors = make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci,
-                                         kv_heads=args.kv_heads)
+                                  kv_heads=args.kv_heads, head_dim_v=args.head_dim_v)
             setup_error = None
         except Exception as e:
             setup_error = {"status": status_of(e), "notes": f"setup: {format_error(e)}",
@@ -258,9 +274,11 @@ def run(args) -> list:
                              notes=setup_error["notes"]))
             fatal = setup_error["notes"] if setup_error["fatal"] else None
             continue
-        print(f"== {fam} S={fmt_len(s)} D={d}: causal={causal} C={startend.shape[-1]} density {density:.4f}",
-              flush=True)
-        problem = Problem(startend, causal, args.batch, args.heads, d, s, dtype, device, args.kv_heads)
+        dv_note = "" if args.head_dim_v in (None, d) else f" Dv={args.head_dim_v}"
+        print(f"== {fam} S={fmt_len(s)} D={d}{dv_note}: causal={causal} C={startend.shape[-1]} density "
+              f"{density:.4f}", flush=True)
+        problem = Problem(startend, causal, args.batch, args.heads, d, s, dtype, device, args.kv_heads,
+                          head_dim_v=args.head_dim_v)
         for method in args.methods:
             if fatal:
                 break
@@ -280,7 +298,7 @@ def run(args) -> list:
             for mode in modes:
                 if fatal:
                     break
-                res = try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device)
+                res = try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device, args.head_dim_v)
                 add(_row(fam, s, d, args, mode, method, density, pairs, res["status"], ms=res.get("ms"),
                          tflops=res.get("tflops"), build_ms=prep.build_ms, first=res.get("first_call_s"),
                          host=res.get("host_ms"),

@@ -1,4 +1,5 @@
-"""FLOP accounting on unmasked pairs (fwd = 4*B*H*D*pairs, bwd = 2.5x, fwd+bwd = 3.5x).
+"""FLOP accounting on unmasked pairs (fwd = 2*B*H*(Dqk + Dv)*pairs, i.e. 4*B*H*D*pairs with equal head
+dims; bwd = 2.5x, fwd+bwd = 3.5x).
 
 The pair counter works from the column intervals in O(Sk) and does not use ``masks/format.py``, so
 that the tests can check it against ``masks.format.to_dense``.
@@ -9,7 +10,7 @@ from typing import Optional
 
 import torch
 
-# FLOPs of a mode relative to the forward's 4 * B * H * D * pairs.
+# FLOPs of a mode relative to the forward's 2 * B * H * (Dqk + Dv) * pairs.
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 
@@ -98,10 +99,11 @@ def total_pairs(startend: Optional[torch.Tensor], causal: bool, *, batch: int, h
     raise ValueError(f"mask batch {bm} does not match batch {batch}")
 
 
-def attn_flops(pairs: int, head_dim: int, mode: str) -> float:
-    """FLOPs on unmasked pairs: fwd = 4 * D * pairs (pairs already summed over B and H), bwd = 2.5 x fwd,
-    fwd+bwd = 3.5 x fwd."""
-    return 4.0 * head_dim * pairs * FLOP_FACTOR[mode]
+def attn_flops(pairs: int, head_dim: int, mode: str, head_dim_v: Optional[int] = None) -> float:
+    """FLOPs on unmasked pairs (already summed over B and H): fwd = 2 * (Dqk + Dv) * pairs (QK^T
+    and PV; 4 * D * pairs when ``head_dim_v`` is None or equal), bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 2.0 * (head_dim + dv) * pairs * FLOP_FACTOR[mode]
 
 
 def is_plain(startend: Optional[torch.Tensor], causal: bool, seqlen_q: int) -> bool:

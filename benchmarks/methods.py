@@ -1,8 +1,10 @@
 """The attention methods compared, behind one interface: :func:`prepare_method` returns a
-:class:`Prepared` whose ``attn(q, k, v)`` takes and returns ``[B, S, H, D]`` tensors."""
+:class:`Prepared` whose ``attn(q, k, v)`` takes ``[B, S, H, D]`` tensors (v's head dim may differ
+from q's and k's) and returns ``[B, S, H, Dv]``."""
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,10 +53,15 @@ class Problem:
     dtype: torch.dtype
     device: torch.device
     kv_heads: Optional[int] = None  # GQA: fewer key/value heads than query heads (None: as many)
+    head_dim_v: Optional[int] = None  # v's head dim when it differs from q's and k's (None: equal)
 
     @property
     def gqa(self) -> bool:
         return self.kv_heads is not None and self.kv_heads != self.heads
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 @dataclass
@@ -67,7 +74,7 @@ class Options:
 
 @dataclass
 class Prepared:
-    attn: Callable  # (q, k, v) [B, S, H, D] -> out [B, S, H, D]
+    attn: Callable  # (q, k, v) [B, S, H, D] (v: [.., Dv]) -> out [B, S, H, Dv]
     mask_bytes: Optional[int] = None  # the method's mask representation kept for the calls
     build_ms: Optional[float] = None  # time to build that representation
     notes: List[str] = field(default_factory=list)
@@ -82,7 +89,7 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
     """Build what ``method`` needs for the mask of ``p`` and return its attention callable.
 
     Raises :class:`Skip` when the method does not apply (e.g. flash/cuDNN SDPA with a mask other
-    than causal or none, a dense mask that does not fit).
+    than causal or none, or with a value head dim they do not take; a dense mask that does not fit).
     """
     sq = sk = p.seqlen
     if method in ("flashmask", "flashmask_det", "flashmask_sm80"):
@@ -152,6 +159,10 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = SDPBackend.FLASH_ATTENTION if method == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
         causal, gqa = p.causal, p.gqa
+        if p.dv != p.head_dim:
+            refused = _sdpa_refuses(backend, p)
+            if refused:
+                raise Skip(f"{method} does not take q/k head dim {p.head_dim} with v head dim {p.dv}: {refused}")
 
         def attn(q, k, v):
             with sdpa_kernel(backend):
@@ -161,6 +172,26 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         return Prepared(attn, mask_bytes=0)
 
     raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+
+
+def _sdpa_refuses(backend, p: Problem) -> Optional[str]:
+    """Why SDPA's ``backend`` refuses the head dims of ``p`` (a call on 16 tokens), or None if it runs them.
+    PyTorch says why in warnings before it raises "No available kernel": their text is the reason."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    hk = p.kv_heads or p.heads
+    shapes = ((1, p.heads, 16, p.head_dim), (1, hk, 16, p.head_dim), (1, hk, 16, p.dv))
+    q, k, v = (torch.zeros(s, dtype=p.dtype, device=p.device) for s in shapes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v, is_causal=p.causal, enable_gqa=p.gqa)
+        except RuntimeError as e:
+            why = [str(w.message).split(" (Triggered internally")[0] for w in caught]
+            why = [w for w in why if not w.rstrip().endswith("because:")]
+            return "; ".join(why) if why else format_error(e)
+    return None
 
 
 def release(prep: Optional[Prepared]) -> None:

@@ -24,14 +24,16 @@ def sync(device: torch.device) -> None:
 
 
 def make_inputs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, kv_heads: Optional[int] = None):
-    """Fresh random q, k, v (requiring grad) and dout: q and dout ``[B, S, H, D]``, k and v
-    ``[B, S, kv_heads, D]`` (default ``H``)."""
+                seed: int = 0, kv_heads: Optional[int] = None, head_dim_v: Optional[int] = None):
+    """Fresh random q, k, v (requiring grad) and dout: q ``[B, S, H, D]``, k ``[B, S, kv_heads, D]``
+    (default ``H``), v ``[B, S, kv_heads, Dv]`` and dout ``[B, S, H, Dv]`` (``Dv = head_dim_v``,
+    default ``D``)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    shape = (batch, seqlen, heads, head_dim)
-    kv_shape = (batch, seqlen, heads if kv_heads is None else kv_heads, head_dim)
-    q, k, v, dout = (torch.randn(sh, generator=g, device=device, dtype=dtype)
-                     for sh in (shape, kv_shape, kv_shape, shape))
+    hk = heads if kv_heads is None else kv_heads
+    dv = head_dim if head_dim_v is None else head_dim_v
+    shapes = ((batch, seqlen, heads, head_dim), (batch, seqlen, hk, head_dim), (batch, seqlen, hk, dv),
+              (batch, seqlen, heads, dv))
+    q, k, v, dout = (torch.randn(sh, generator=g, device=device, dtype=dtype) for sh in shapes)
     for t in (q, k, v):
         t.requires_grad_(True)
     return q, k, v, dout
@@ -150,13 +152,14 @@ def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float
 
 
 def try_time(prep: Prepared, mode: str, tensors, pairs: int, head_dim: int, warmup_ms: float, rep_ms: float,
-             device: torch.device) -> dict:
+             device: torch.device, head_dim_v: Optional[int] = None) -> dict:
     """Time one mode; never raises. Returns ``{"status", "ms", "tflops", "first_call_s", "host_ms",
-    "notes", "fatal"}``; a cell that may be bound by its launch path says so in its notes."""
+    "notes", "fatal"}``; a cell that may be bound by its launch path says so in its notes. TFLOP/s
+    by :func:`benchmarks.flops.attn_flops` (``head_dim_v``: v's head dim, default ``head_dim``)."""
     notes = [n for n in prep.notes if n]
     try:
         ms, first, host = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device)
-        tflops = attn_flops(pairs, head_dim, mode) / (ms * 1e-3) / 1e12
+        tflops = attn_flops(pairs, head_dim, mode, head_dim_v) / (ms * 1e-3) / 1e12
         host_note = host_bound_note(ms, host)
         if host_note:
             notes.append(host_note)

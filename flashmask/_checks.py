@@ -26,14 +26,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [B, Sk, Hk, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape [B, Sk, Hk] in their first three dimensions (v's head "
+                         f"dim Dv may differ from k's), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q has batch {q.shape[0]} but k and v have batch {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q has head dim {q.shape[3]} but k and v have head dim {k.shape[3]}")
+        raise ValueError(f"q and k must share the head dim Dqk: q has head dim {q.shape[3]} but k has head dim "
+                         f"{k.shape[3]} (q {tuple(q.shape)}, k {tuple(k.shape)})")
     if q.shape[3] < 1:
         raise ValueError(f"the head dim D of q, k and v must be >= 1, got D={q.shape[3]} (q {tuple(q.shape)})")
+    if v.shape[3] < 1:
+        raise ValueError(f"the head dim Dv of v must be >= 1, got Dv={v.shape[3]} (v {tuple(v.shape)})")
     hq, hk = q.shape[2], k.shape[2]
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})")
@@ -72,9 +76,12 @@ def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         return f"the kernels run on CUDA tensors, got {q.device}"
     if q.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, got {q.dtype}"
-    d = q.shape[-1]
+    d, dv = q.shape[-1], v.shape[-1]
     if d > KERNEL_MAX_HEAD_DIM or d % 8 != 0:
         return f"the kernels take head dims that are multiples of 8 up to {KERNEL_MAX_HEAD_DIM}, got {d}"
+    if dv > KERNEL_MAX_HEAD_DIM or dv % 8 != 0:
+        return (f"the kernels take value head dims that are multiples of 8 up to {KERNEL_MAX_HEAD_DIM}, got Dv={dv} "
+                f"(q and k head dim {d})")
     # (FakeTensors under torch.compile have no address; the binding checks it again at run time.)
     check_address = not torch.compiler.is_compiling()
     for name, t in (("q", q), ("k", k), ("v", v)):  # 4-D, by check_qkv; unrolled: this runs on every call

@@ -67,11 +67,23 @@ def _not_built_reason() -> str:
 # into the pybind11 functions themselves.
 _HEAD_DIMS: Tuple[int, ...] = tuple(_C.head_dims()) if _C is not None else ()
 _DTYPES: Tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
+# (a build that predates unequal head dims has only the equal pairs)
+_HEAD_DIM_PAIRS: Tuple[Tuple[int, int], ...] = (
+    tuple((int(d), int(dv)) for d, dv in _C.head_dim_pairs()) if hasattr(_C, "head_dim_pairs")
+    else tuple((d, d) for d in _HEAD_DIMS))
 
 
 def compiled_head_dims() -> Tuple[int, ...]:
-    """The head dims the extension was built for (inputs are rounded up to the next one)."""
+    """The head dims the extension was built for with equal q/k and v head dims (inputs are rounded
+    up to the next one)."""
     return _HEAD_DIMS
+
+
+def compiled_head_dim_pairs() -> Tuple[Tuple[int, int], ...]:
+    """Every ``(head_dim, head_dim_v)`` pair the extension was built for, the equal ones included. A
+    call with q/k head dim ``Dqk`` and v head dim ``Dv`` runs on the smallest pair that holds both
+    (``Dqk <= head_dim`` and ``Dv <= head_dim_v``)."""
+    return _HEAD_DIM_PAIRS
 
 
 def compiled_dtypes() -> Tuple[torch.dtype, ...]:
@@ -84,34 +96,44 @@ def compiled_dtypes() -> Tuple[torch.dtype, ...]:
 ARCHS = {"cuda": 0, "sm80": 80, "sm90": 90}
 
 
-def compiled_archs(head_dim: int, dtype: torch.dtype) -> Tuple[int, ...]:
-    """The architecture families this build compiled for (head dim, dtype)."""
+def compiled_archs(head_dim: int, dtype: torch.dtype, head_dim_v: Optional[int] = None) -> Tuple[int, ...]:
+    """The architecture families this build compiled for (head dim, dtype, v head dim; None: equal)."""
     if _C is None:
         return ()
-    return tuple(_C.archs(head_dim, str(dtype).replace("torch.", "")))
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return tuple(_C.archs(head_dim, str(dtype).replace("torch.", ""), dv))
 
 
-def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd") -> int:
-    """The architecture family a call with q would run on (raises like the call would).
+def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd", head_dim_v: Optional[int] = None) -> int:
+    """The architecture family a call with q (and v of head dim ``head_dim_v``, default q's) would run
+    on (raises like the call would).
 
     slot: "fwd", "bwd" or "bwd_deterministic". A slot a family lacks runs on an older one.
     """
     if slot not in ("fwd", "bwd", "bwd_deterministic"):
         raise ValueError(f"slot must be 'fwd', 'bwd' or 'bwd_deterministic', got {slot!r}")
     major, minor = torch.cuda.get_device_capability(q.device)
-    return _C.selected_arch(q.shape[-1], str(q.dtype).replace("torch.", ""), major * 10 + minor, arch, slot)
+    dv = q.shape[-1] if head_dim_v is None else head_dim_v
+    return _C.selected_arch(q.shape[-1], str(q.dtype).replace("torch.", ""), major * 10 + minor, arch, slot, dv)
 
 
-def build_unsupported_reason(q: torch.Tensor) -> Optional[str]:
-    """Why this build of the extension has no kernel for q's head dim or dtype, or None.
+def build_unsupported_reason(q: torch.Tensor, head_dim_v: Optional[int] = None) -> Optional[str]:
+    """Why this build of the extension has no kernel for q's head dim, v's (``head_dim_v``, default
+    q's) or the dtype, or None.
 
-    Builds may compile a subset (``FLASHMASK_HEAD_DIMS``, ``FLASHMASK_DTYPES``); a head dim is
-    served by the smallest compiled one that holds it.
+    Builds may compile a subset (``FLASHMASK_HEAD_DIMS``, ``FLASHMASK_DTYPES``); a pair of head dims
+    is served by the smallest compiled pair that holds it (:func:`compiled_head_dim_pairs`).
     """
+    d = q.shape[-1]
+    dv = d if head_dim_v is None else head_dim_v
     dims = compiled_head_dims()
-    if not dims or q.shape[-1] > max(dims):
-        return (f"this build compiled head dims {dims}, none of which holds {q.shape[-1]} "
-                f"(rebuild with FLASHMASK_HEAD_DIMS including a larger one)")
+    pairs = compiled_head_dim_pairs()
+    if not any(dv <= bv and d <= b for b, bv in pairs + tuple((b, b) for b in dims)):
+        if dv == d:
+            return (f"this build compiled head dims {dims}, none of which holds {d} "
+                    f"(rebuild with FLASHMASK_HEAD_DIMS including a larger one)")
+        return (f"this build compiled the (head_dim, head_dim_v) pairs {pairs}, none of which holds q and k head "
+                f"dim {d} with v head dim {dv} (rebuild with FLASHMASK_HEAD_DIMS including one that holds it)")
     if q.dtype not in compiled_dtypes():
         return f"this build compiled {compiled_dtypes()}, not {q.dtype} (rebuild with FLASHMASK_DTYPES)"
     return None

@@ -22,9 +22,11 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Exact attention under a FlashMask column-interval mask.
 
     Args:
-        q: ``[B, Sq, Hq, D]``. A transposed ``[B, H, S, D]`` tensor viewed as BSHD (``x.transpose(1, 2)``)
+        q: ``[B, Sq, Hq, Dqk]``. A transposed ``[B, H, S, D]`` tensor viewed as BSHD (``x.transpose(1, 2)``)
             works without a copy: only the last dimension must be contiguous.
-        k, v: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA / MQA).
+        k: ``[B, Sk, Hk, Dqk]`` with ``Hq % Hk == 0`` (GQA / MQA).
+        v: ``[B, Sk, Hk, Dv]``: the value head dim may differ from the query/key one (MLA as in
+            DeepSeek-V2/V3: ``Dqk = 192``, ``Dv = 128``).
         startend_row_indices: int32 ``[B, Hm, Sk, C]`` with ``Hm`` in ``{1, Hk, Hq}``: for each key
             column the query rows that may not attend it (the contract, with worked examples, is
             docs/format.md; builders in :mod:`masks`). ``None``: no mask beyond ``causal``.
@@ -32,7 +34,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             its end is empty.
         causal: a bool: add the causal mask, aligned bottom-right when ``Sq != Sk``. Also selects
             how ``C`` is read: causal ``C`` in {1, 2}, non-causal ``C`` in {2, 4}.
-        softmax_scale: a finite float > 0; defaults to ``1 / sqrt(D)``.
+        softmax_scale: a finite float > 0; defaults to ``1 / sqrt(Dqk)``.
         window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
             the mask where the result is expressible in the column-interval format.
         return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, float64 for float64 inputs;
@@ -52,7 +54,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             checked.
 
     Returns:
-        ``out`` ``[B, Sq, Hq, D]`` in the dtype of ``q``, and ``lse`` if ``return_lse``.
+        ``out`` ``[B, Sq, Hq, Dv]`` in the dtype of ``q``, and ``lse`` if ``return_lse``.
 
     Example::
 
@@ -61,6 +63,9 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         >>> mask = masks.causal_document(10, [4, 3, 3])  # [1, 1, 10, 1]
         >>> flashmask_attention(q, k, v, mask, causal=True).shape
         torch.Size([1, 10, 2, 16])
+        >>> v = torch.randn(1, 10, 2, 8)  # a value head dim of its own
+        >>> flashmask_attention(q, k, v, mask, causal=True).shape
+        torch.Size([1, 10, 2, 8])
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -83,7 +88,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if reason is None and not _cuda.available():
             reason = _cuda.unavailable_reason()
         if reason is None:
-            reason = _cuda.build_unsupported_reason(q)
+            reason = _cuda.build_unsupported_reason(q, v.shape[-1])
         if reason is not None:
             if backend in _cuda.ARCHS:
                 raise RuntimeError(f"backend={backend!r} cannot run: {reason}")

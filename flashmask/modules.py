@@ -1,6 +1,7 @@
 """``nn.Module`` wrappers: the attention core and a multi-head self-attention block."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -14,9 +15,10 @@ LAYOUTS = ("bshd", "bhsd")
 class FlashMaskAttention(nn.Module):
     """The attention core as a module: ``out = FlashMaskAttention(...)(q, k, v, startend_row_indices)``.
 
-    ``layout="bshd"`` takes q ``[B, Sq, Hq, D]`` and k/v ``[B, Sk, Hk, D]``; ``layout="bhsd"`` takes
-    ``[B, H, S, D]`` tensors (passed to the kernels as transposed views, no copy) and returns the
-    output in the same layout.
+    ``layout="bshd"`` takes q ``[B, Sq, Hq, Dqk]``, k ``[B, Sk, Hk, Dqk]`` and v ``[B, Sk, Hk, Dv]``
+    and returns ``[B, Sq, Hq, Dv]``; ``layout="bhsd"`` takes ``[B, H, S, D]`` tensors (passed to the
+    kernels as transposed views, no copy) and returns the output in the same layout. ``Dv`` may
+    differ from ``Dqk`` (MLA); ``softmax_scale`` defaults to ``1 / sqrt(Dqk)``.
     """
 
     def __init__(self, causal: bool = False, softmax_scale: Optional[float] = None,
@@ -77,7 +79,10 @@ class FlashMaskSelfAttention(nn.Module):
 
     ``forward(x [B, S, E], startend_row_indices=None, position_ids=None) -> [B, S, E]``.
     ``position_ids`` (default ``arange(S)``) drive the rotary embedding; for packed documents pass
-    positions that restart at each document (see :func:`masks.from_position_ids`).
+    positions that restart at each document (see :func:`masks.from_position_ids`). ``head_dim``
+    (default ``E / num_heads``) is the query/key head dim, ``head_dim_v`` (default ``head_dim``)
+    the value head dim: v_proj gives ``num_kv_heads * head_dim_v`` features and o_proj takes
+    ``num_heads * head_dim_v``.
 
     Example::
 
@@ -86,12 +91,15 @@ class FlashMaskSelfAttention(nn.Module):
         >>> x = torch.randn(2, 12, 64)
         >>> attn(x, masks.causal_document(12, [[5, 7], [12]])).shape
         torch.Size([2, 12, 64])
+        >>> mla = FlashMaskSelfAttention(hidden_size=64, num_heads=4, head_dim=24, head_dim_v=16)
+        >>> mla(x).shape
+        torch.Size([2, 12, 64])
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, bias: bool = False, causal: bool = True,
                  rotary: bool = True, rope_base: float = 10000.0, window_size: Optional[Tuple[int, int]] = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", head_dim_v: Optional[int] = None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
@@ -101,11 +109,16 @@ class FlashMaskSelfAttention(nn.Module):
                 raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
                                  "unless head_dim is given")
             head_dim = hidden_size // num_heads
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.head_dim_v = head_dim_v
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim_v, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim_v, hidden_size, bias=bias)
         self.rotary = RotaryEmbedding(head_dim, rope_base) if rotary else None
         self.attn = FlashMaskAttention(causal=causal, window_size=window_size, backend=backend)
 
@@ -116,7 +129,7 @@ class FlashMaskSelfAttention(nn.Module):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim_v)
         if position_ids is not None and position_ids.shape != (b, s):
             raise ValueError(f"position_ids must be [B, S] = {(b, s)}, got {tuple(position_ids.shape)}")
         if self.rotary is not None:
@@ -124,4 +137,4 @@ class FlashMaskSelfAttention(nn.Module):
                 position_ids = torch.arange(s, device=x.device).expand(b, s)
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
         out = self.attn(q, k, v, startend_row_indices)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim_v))

@@ -22,9 +22,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         startend_row_indices: Optional[torch.Tensor] = None, *, causal: bool = False,
                         softmax_scale: Optional[float] = None,
                         chunk_size: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention; returns ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])``.
+    """Masked softmax attention; returns ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])``.
 
-    Inputs as :func:`flashmask.flashmask_attention` (no checks here: callers validate). Half
+    Inputs as :func:`flashmask.flashmask_attention` (no checks here: callers validate): q and k
+    ``[.., Dqk]``, v ``[.., Dv]``; ``softmax_scale`` defaults to ``1 / sqrt(Dqk)``. Half
     inputs are computed in float32, float64 in float64; ``out`` has the input dtype, ``lse`` is
     float32 (float64 for float64 inputs). Rows that no key may attend give ``out = 0`` and
     ``lse = +inf`` with zero gradients; non-finite inputs that reach a visible score propagate

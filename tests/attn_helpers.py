@@ -155,9 +155,9 @@ def dense_window(sq: int, sk: int, window_size, causal: bool) -> torch.Tensor:
 def naive_attention(q, k, v, allowed, scale=None):
     """softmax(Q K^T * scale, masked) V in float64, straight from the definition.
 
-    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]``, ``allowed`` bool ``[B or 1, Hm, Sq, Sk]``; query head
-    h reads key/value head ``h // (Hq // Hk)`` and mask head ``h // (Hq // Hm)``. Returns
-    ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` in float64; a row with no allowed key gives out 0 and
+    q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hk, D]``, v ``[B, Sk, Hk, Dv]``, ``allowed`` bool ``[B or 1, Hm, Sq,
+    Sk]``; query head h reads key/value head ``h // (Hq // Hk)`` and mask head ``h // (Hq // Hm)``. Returns
+    ``(out [B, Sq, Hq, Dv], lse [B, Hq, Sq])`` in float64; a row with no allowed key gives out 0 and
     lse +inf. Differentiable (for autograd comparisons) on rows that have an allowed key.
     """
     q, k, v = q.double(), k.double(), v.double()

@@ -35,7 +35,7 @@ def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str)
     if reason is None and not _cuda.available():
         reason = _cuda.unavailable_reason()
     if reason is None:
-        reason = _cuda.build_unsupported_reason(q)
+        reason = _cuda.build_unsupported_reason(q, v.shape[-1])
     if reason is not None:
         if backend in _ARCHS:
             raise RuntimeError(f"backend={backend!r} cannot run: {reason}")
@@ -48,7 +48,7 @@ def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str)
 
 
 def fwd(q, k, v, mask: Optional[torch.Tensor], scale: float, arch: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention of a block of rows: ``(out [B, n, Hq, D], lse [B, Hq, n])``; ``arch``
+    """Non-causal attention of a block of rows: ``(out [B, n, Hq, Dv], lse [B, Hq, n])``; ``arch``
     from :func:`use_kernels` (None: the reference path)."""
     with torch.no_grad():
         if arch is not None:

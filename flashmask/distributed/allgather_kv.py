@@ -1,7 +1,7 @@
 """All-gather-KV context parallelism: queries sharded in balanced chunks, K/V gathered.
 
 Every rank holds the tokens of its chunks (see :func:`flashmask.distributed.make_plan`): q, k, v
-``[B, L, H, D]`` with ``L = S / P``. Forward:
+``[B, L, H, D]`` with ``L = S / P`` (v may have a head dim ``Dv`` of its own). Forward:
 
 1. K and V are all-gathered (``[P * L]`` tokens in all-gather order: rank 0's chunks, then
    rank 1's, ...). The plan's chunk masks list their columns in that order, so nothing is
@@ -22,9 +22,9 @@ runs while the K/V of the groups after it are still arriving; in the backward, g
 reduce-scatter runs while group ``g + 1``'s gradients are computed. The result does not depend on
 ``head_groups``.
 
-Memory per rank and layer: the gathered K and V (``S * Hk * D`` each) are kept for the backward,
-and the backward holds float32 dK/dV over ``S`` keys for one head group at a time before the
-reduce-scatter.
+Memory per rank and layer: the gathered K and V (``S * Hk * Dqk`` and ``S * Hk * Dv``) are kept
+for the backward, and the backward holds float32 dK/dV over ``S`` keys for one head group at a
+time before the reduce-scatter.
 """
 from __future__ import annotations
 
@@ -142,9 +142,9 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     """Exact attention of this rank's query chunks against all keys, K/V all-gathered.
 
     Args:
-        q: ``[B, L, Hq, D]``, k/v ``[B, L, Hk, D]``: this rank's tokens in the plan's local order
-            (``L = S / P``; e.g. ``plan.shard(x)`` of the global tensors, or a model's activations
-            on a batch sharded by :func:`flashmask.distributed.shard_packed_batch`).
+        q: ``[B, L, Hq, Dqk]``, k ``[B, L, Hk, Dqk]``, v ``[B, L, Hk, Dv]``: this rank's tokens in
+            the plan's local order (``L = S / P``; e.g. ``plan.shard(x)`` of the global tensors, or a
+            model's activations on a batch sharded by :func:`flashmask.distributed.shard_packed_batch`).
         plan: from :func:`flashmask.distributed.make_plan` with ``mode="allgather_kv"`` (it holds
             the mask, the causal flag and the process group).
         softmax_scale, backend, deterministic: as :func:`flashmask.flashmask_attention`.
@@ -153,7 +153,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         return_lse: also return the LSE ``[B, Hq, L]`` (not differentiable).
 
     Returns:
-        ``out [B, L, Hq, D]`` (this rank's rows of the single-process result, in its local order),
+        ``out [B, L, Hq, Dv]`` (this rank's rows of the single-process result, in its local order),
         and ``lse`` if asked. Differentiable in q, k and v.
 
     Example::

@@ -79,8 +79,8 @@ def _unsupported(what: str) -> NotImplementedError:
 def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
                          dropout: float = 0.0, **kwargs):
-    """transformers attention function: query ``[B, Hq, L, D]``, key/value ``[B, Hk, L, D]`` of this
-    rank's ``L`` tokens; returns ``(out [B, L, Hq, D], None)``."""
+    """transformers attention function: query ``[B, Hq, L, Dqk]``, key ``[B, Hk, L, Dqk]``, value
+    ``[B, Hk, L, Dv]`` of this rank's ``L`` tokens; returns ``(out [B, L, Hq, Dv], None)``."""
     plan = _state["plan"]
     if plan is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the batch's context-parallel plan: "

@@ -52,8 +52,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                deterministic: bool = False, head_groups: int = 2) -> torch.Tensor:
     """This rank's rows of the single-process attention, for either mode of ``plan``.
 
-    q ``[B, L, Hq, D]``, k/v ``[B, L, Hk, D]``: this rank's ``L = S / P`` tokens in the plan's
-    local order. Returns ``[B, L, Hq, D]``, differentiable in q, k, v. ``head_groups`` is used by
+    q ``[B, L, Hq, Dqk]``, k ``[B, L, Hk, Dqk]``, v ``[B, L, Hk, Dv]``: this rank's ``L = S / P``
+    tokens in the plan's local order. Returns ``[B, L, Hq, Dv]``, differentiable in q, k, v. ``head_groups`` is used by
     all-gather-KV only (see :func:`allgather_kv_attention`).
     """
     if plan.startend_row_indices is not None:

@@ -115,22 +115,25 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Exact attention over a sequence split in ``P`` equal contiguous parts, one per rank.
 
     Args:
-        q: ``[B, S/P, Hq, D]``, this rank's tokens ``[rank * S/P, (rank + 1) * S/P)``.
-        k, v: ``[B, S/P, Hk, D]``, the same tokens.
+        q: ``[B, S/P, Hq, Dqk]``, this rank's tokens ``[rank * S/P, (rank + 1) * S/P)``.
+        k, v: ``[B, S/P, Hk, Dqk]`` and ``[B, S/P, Hk, Dv]``, the same tokens (``Dv`` may differ from
+            ``Dqk``).
         startend_row_indices: the **global** mask ``[B, Hm, S, C]`` (same on every rank), or None.
         causal, softmax_scale, backend, deterministic: as :func:`flashmask.flashmask_attention`.
         group: the context-parallel process group (``None``: the default group).
 
     Returns:
-        ``[B, S/P, Hq, D]``: this rank's rows of the single-process result. Differentiable in
+        ``[B, S/P, Hq, Dv]``: this rank's rows of the single-process result. Differentiable in
         q, k and v.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B, S/P, H, D], got shape {tuple(t.shape)}")
-    if q.shape[1] != k.shape[1] or k.shape != v.shape:
-        raise ValueError(f"Ulysses needs q, k, v over the same local tokens, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"Ulysses needs q, k, v over the same batch and local tokens, and k, v with the same heads, "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim Dqk, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     world, rank = _comm.world_and_rank(group)
     b, n, hq, d = q.shape
     hk = k.shape[2]

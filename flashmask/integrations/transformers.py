@@ -48,6 +48,10 @@ register with ``AttentionMaskInterface`` only forwards the 2-D padding mask (or 
 A ``sliding_window`` argument (Mistral, Qwen2, ...) is honoured with transformers' own
 semantics: query ``i`` sees key ``j`` iff ``i - sliding_window < j <= i``.
 
+Models whose value head dim differs from the query/key one (multi-head latent attention:
+DeepSeek-V2/V3 with 192 and 128, and others) run as they are: the value reaches the kernels
+without padding and the output has the value's head dim.
+
 What is not supported raises ``NotImplementedError`` instead of computing something else:
 attention logit soft-capping (``softcap``, Gemma 2), attention dropout > 0 in training, attention
 sinks (``s_aux``), head masks, relative position biases, paged caches, chunked attention
@@ -243,18 +247,20 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     Args:
         module: the calling attention module (``is_causal`` is read from it unless ``is_causal`` is
             passed).
-        query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hk, Sk, D]`` (GQA handled by the kernels, no
-            repeat).
+        query: ``[B, Hq, Sq, Dqk]``; key: ``[B, Hk, Sk, Dqk]``; value: ``[B, Hk, Sk, Dv]`` (GQA handled
+            by the kernels, no repeat). ``Dv`` may differ from ``Dqk`` (MLA: DeepSeek-V2/V3 and
+            others): value is used as it is, unpadded (one padded with zero columns gives an output
+            whose extra columns are zero).
         attention_mask: ``None``, a 2-D padding mask ``[B, Sk]`` (True/1 = real token), or a 4-D
             dense mask supplied by the user (converted exactly when it has a column-interval form,
             else ``ValueError``).
-        scaling: softmax scale (default ``D ** -0.5``).
+        scaling: softmax scale (default ``Dqk ** -0.5``).
         dropout: must be 0.
         **kwargs: ``attn_mask_startend_row_indices``, ``cu_seq_lens_q``/``cu_seq_lens_k``,
             ``position_ids``, ``sliding_window``, ``is_causal``; see the module docstring.
 
     Returns:
-        ``(attn_output [B, Sq, Hq, D], None)``.
+        ``(attn_output [B, Sq, Hq, Dv], None)``.
     """
     _reject_unsupported(kwargs, dropout)
     is_causal = kwargs.get("is_causal")

@@ -82,6 +82,11 @@ def test_total_pairs_heads_and_batch():
     assert flops.attn_flops(10, 128, "fwd") == 4 * 128 * 10
     assert flops.attn_flops(10, 128, "fwdbwd") == 3.5 * 4 * 128 * 10
     assert flops.attn_flops(10, 128, "bwd") == 2.5 * 4 * 128 * 10
+    # a value head dim of its own: QK^T costs 2 * Dqk and PV 2 * Dv per pair
+    assert flops.attn_flops(10, 192, "fwd", 128) == 2 * (192 + 128) * 10
+    assert flops.attn_flops(10, 192, "bwd", 128) == 2.5 * 2 * (192 + 128) * 10
+    assert flops.attn_flops(10, 192, "fwdbwd", 128) == 3.5 * 2 * (192 + 128) * 10
+    assert flops.attn_flops(10, 128, "fwd", 128) == flops.attn_flops(10, 128, "fwd")
 
 
 def _grid(b, h, sq, sk):
@@ -425,3 +430,45 @@ def test_try_time_measures_no_host_time_off_cuda():
     res = timing.try_time(prep, "fwd", timing.make_inputs(1, 32, 2, 16, torch.float32, torch.device("cpu")),
                           100, 16, 0, 0, torch.device("cpu"))
     assert res["status"] == "ok" and res["host_ms"] is None and "host-bound" not in res["notes"]
+
+
+def test_bench_kernels_value_head_dim_on_cpu(tmp_path, capsys):
+    """--head-dim-v: every method gets q, k [.., Dqk] and v [.., Dv]; TFLOP/s count 2*(Dqk + Dv) per
+    pair; SDPA's flash backend, which refuses the pair, gets an n/a row; the methods agree."""
+    rows = bench_kernels.run(bench_kernels.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--flex-no-compile", "--families",
+        "causal,causal_document", "--seqlens", "64", "--heads", "4", "--kv-heads", "2", "--head-dims", "24",
+        "--head-dim-v", "8", "--modes", "fwd,fwdbwd", "--methods", "flashmask,flex,sdpa_dense,sdpa_flash",
+        "--warmup", "0", "--rep", "0", "--out", str(tmp_path)]))
+    out = capsys.readouterr().out
+    by = {(r["family"], r["mode"], r["method"]): r for r in rows}
+    assert all(r["head_dim"] == 24 and r["head_dim_v"] == 8 for r in rows)
+    for fam in ("causal", "causal_document"):
+        for key in ((fam, "fwd", "flashmask"), (fam, "fwdbwd", "flashmask"), (fam, "fwd", "sdpa_dense"),
+                    (fam, "fwdbwd", "sdpa_dense"), (fam, "fwd", "flex")):
+            r = by[key]
+            assert r["status"] == "ok", r
+            tflops = flops.attn_flops(r["pairs"], 24, r["mode"], 8) / (r["ms"] * 1e-3) / 1e12
+            assert r["tflops"] == pytest.approx(tflops)
+    flash = by[("causal", "fwd", "sdpa_flash")]
+    assert flash["status"] == "n/a" and "does not take q/k head dim 24 with v head dim 8" in flash["notes"], flash
+    assert ("causal_document", "fwd", "sdpa_flash") not in by  # a mask it never takes: no row
+    assert re.search(r"causal\s+64\s+24/8\s+fwd", out), out
+    with open(tmp_path / "kernels.csv") as f:
+        assert {r["head_dim_v"] for r in csv.DictReader(f)} == {"8"}
+    with open(tmp_path / "kernels.json") as f:
+        assert "(Dqk+Dv)" in json.load(f)["meta"]["flop_convention"]
+    # the same tensors everywhere, and the same result
+    mask, causal = example("causal_document", 64)
+    p = methods.Problem(mask, causal, 1, 4, 24, 64, torch.float32, torch.device("cpu"), kv_heads=2, head_dim_v=8)
+    q, k, v, dout = timing.make_inputs(1, 64, 4, 24, torch.float32, torch.device("cpu"), kv_heads=2, head_dim_v=8)
+    assert (q.shape, k.shape, v.shape, dout.shape) == ((1, 64, 4, 24), (1, 64, 2, 24), (1, 64, 2, 8), (1, 64, 4, 8))
+    opt = methods.Options(flashmask_backend="reference", flex_compile=False)
+    q, k, v = q.detach(), k.detach(), v.detach()  # Flex has no CPU backward
+    outs = {m: methods.prepare_method(m, p, opt).attn(q, k, v) for m in ("flashmask", "flex", "sdpa_dense")}
+    assert outs["flashmask"].shape == (1, 64, 4, 8)
+    torch.testing.assert_close(outs["flex"], outs["flashmask"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs["sdpa_dense"], outs["flashmask"], atol=1e-4, rtol=1e-4)
+    with pytest.raises(SystemExit):
+        bench_kernels.parse_args(["--head-dim-v", "0"])
+    assert "--head-dim-v must be a positive int, got 0" in capsys.readouterr().err

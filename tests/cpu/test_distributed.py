@@ -188,6 +188,24 @@ def test_single_process_plans_equal_plain_attention():
         torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
 
 
+def test_single_process_plans_with_a_value_head_dim():
+    # Dqk = 12, Dv = 4: out [.., Dv] and the gradients of both modes equal plain attention's.
+    torch.manual_seed(1)
+    mask, causal = example("causal_document", 64)
+    q, k, v = (torch.randn(1, 64, h, d, dtype=torch.float64, requires_grad=True) for h, d in ((4, 12), (2, 12), (2, 4)))
+    want = flashmask_attention(q, k, v, mask, causal=causal)
+    dout = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for mode in fmd.MODES:
+        plan = fmd.make_plan(mask, causal, mode=mode, align=8)
+        got = fmd.context_parallel_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan)
+        assert got.shape == (1, 64, 4, 4)
+        torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(got, (q, k, v), plan.shard(dout))
+        for name, g, w in zip("qkv", grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{mode} d{name}: {m}")
+
+
 def test_shift_labels_and_padding():
     ids = torch.arange(10).view(1, 10)
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
@@ -268,6 +286,13 @@ def _case_list(world):
         cases.append((f"{mode}-mqa-share_question", dict(mode=mode, family="share_question", hq=4, hk=1, hm=1, b=1)))
         cases.append((f"{mode}-bf16-causal_document", dict(mode=mode, family="causal_document", hq=4, hk=2, hm=1, b=1,
                                                           dtype="bfloat16")))
+        # a value head dim of its own (Dqk = 8): below and above the query/key one
+        cases.append((f"{mode}-dv4-causal_document", dict(mode=mode, family="causal_document", hq=4, hk=2, hm=1, b=1,
+                                                          dv=4)))
+        cases.append((f"{mode}-dv12-random-causal0-C4-hm_hq", dict(mode=mode, family="random", causal=False, c=4,
+                                                                   hq=4, hk=2, hm="hq", b=2, dv=12)))
+        cases.append((f"{mode}-dv4-bf16-share_question", dict(mode=mode, family="share_question", hq=4, hk=1, hm=1,
+                                                              b=1, dtype="bfloat16", dv=4)))
     if world == 2:
         # Ulysses repeating 3 KV heads (and their mask heads) to 6 for 2 ranks
         cases.append(("ulysses-gqa-replicate-hm_hk", dict(mode="ulysses", family="random", causal=True, c=2, hq=6,
@@ -296,6 +321,16 @@ def _errors_case(world):
         raise AssertionError("S=1001 over 2 ranks must raise")
     except ValueError as e:
         assert "multiple of the group size" in str(e), e
+    try:
+        fmd.ulysses_attention(torch.randn(1, 16, 4, 8), torch.randn(1, 16, 2, 12), torch.randn(1, 16, 2, 4), None)
+        raise AssertionError("q and k with different head dims must raise")
+    except ValueError as e:
+        assert "q and k must share the head dim Dqk" in str(e), e
+    try:
+        fmd.ulysses_attention(torch.randn(1, 16, 4, 8), torch.randn(1, 16, 2, 8), torch.randn(1, 16, 1, 4), None)
+        raise AssertionError("k and v with different heads must raise")
+    except ValueError as e:
+        assert "k, v with the same heads" in str(e), e
     plan = fmd.make_plan(None, True, 64, mode="allgather_kv", align=8)
     try:
         n = 64 // world + 8
@@ -337,8 +372,9 @@ def _inputs(spec, s, seed):
         mask, causal = example(spec["family"], s, batch_size=b)
         if spec["family"] in ("causal", "full"):
             mask = None  # the mask-free paths
-    mk = lambda h: torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
-    q, k, v, w = mk(hq), mk(hk), mk(hk), mk(hq)
+    mk = lambda h, d=d: torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
+    dv = spec.get("dv", d)
+    q, k, v, w = mk(hq), mk(hk), mk(hk, dv), mk(hq, dv)
     return q, k, v, w, mask, causal
 
 
@@ -359,7 +395,7 @@ def _run_case(spec, world, rank, seed):
         tol = dict(rtol=1e-10, atol=1e-10)
     else:  # one rounding to bf16 apart (the gathered keys are summed in another order)
         tol = dict(rtol=2e-2, atol=2e-2)
-    assert out.shape == (q.shape[0], s // world, q.shape[2], q.shape[3])
+    assert out.shape == (q.shape[0], s // world, q.shape[2], v.shape[3])
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, plan.shard(ref.detach()), **tol)
     for name, got, want in (("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad), ("dv", vl.grad, vr.grad)):
@@ -480,7 +516,7 @@ def test_four_processes(world4, name):
 # transformers + FSDP2 on a (dp=1, cp=2) DeviceMesh, gloo: loss and gradients equal one process's
 
 
-def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0):
+def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     import transformers
 
     import flashmask.distributed.hf as cp_hf
@@ -489,13 +525,23 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0):
     from flashmask.distributed import fsdp as fm_fsdp
     from flashmask.losses import causal_lm_loss
 
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
-                                   attention_dropout=0.0, tie_word_embeddings=True)
+    if kind == "deepseek_v3":  # multi-head latent attention: q/k head dim 12 + 4, v head dim 8; dense MLPs
+        cfg = transformers.DeepseekV3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,
+                                            kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=12,
+                                            qk_rope_head_dim=4, v_head_dim=8, vocab_size=64,
+                                            max_position_embeddings=128, attention_dropout=0.0,
+                                            tie_word_embeddings=True)
+        cls = transformers.DeepseekV3ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                                       attention_dropout=0.0, tie_word_embeddings=True)
+        cls = transformers.LlamaForCausalLM
 
     def build():
         torch.manual_seed(0)
-        m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
+        m = cls._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
         return m.train()
 
     g = torch.Generator().manual_seed(5)
@@ -622,7 +668,8 @@ def _hf_dpo_case(mode, rank):
 
 _HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv-offloaded-checkpoints",
              "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv",
-             "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp"]
+             "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp",
+             "hf-fsdp2-deepseek_v3-allgather_kv", "hf-fsdp2-deepseek_v3-ulysses"]
 
 
 def _hf_worker(rank, world, init_file, outdir, names):
@@ -632,7 +679,8 @@ def _hf_worker(rank, world, init_file, outdir, names):
             _hf_dpo_case(mode, rank)
         else:
             _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
-                     mlp_chunk=7 if "chunked-mlp" in name else 0)
+                     mlp_chunk=7 if "chunked-mlp" in name else 0,
+                     kind="deepseek_v3" if "deepseek_v3" in name else "llama")
 
     _run_cases(rank, world, init_file, outdir, names, run_one)
 

@@ -1,0 +1,151 @@
+"""The transformers backend on a model whose value head dim differs from its query/key head dim: a
+small random DeepSeek-V3 (Dqk = 128 + 64 = 192, Dv = 128) in bfloat16 on the GPU, its attention
+forced onto the kernels (a fallback to the reference path raises), against eager attention.
+
+Tolerance as in tests/gpu/test_integrations.py: against a float32 oracle (the same bf16-rounded
+weights, each document alone with eager), the error of the packed flashmask run must stay within
+twice the error of plain bf16 eager on the separate documents, plus a small epsilon.
+"""
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV3Config"):
+    pytest.skip("this transformers has no DeepSeek-V3", allow_module_level=True)
+
+import flashmask.integrations.transformers as fm_hf  # noqa: E402
+from flashmask import _cuda  # noqa: E402
+from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
+
+NAME = fm_hf.ATTN_IMPLEMENTATION
+VOCAB = 512
+QK_NOPE, QK_ROPE, V_DIM = 128, 64, 128
+BACKEND = "cuda"  # the kernels: never the reference path
+
+
+@pytest.fixture(autouse=True)
+def kernel_calls(monkeypatch):
+    """Every attention call of the backend goes to the kernels (backend=BACKEND); returns the count."""
+    probe = torch.empty(1, 1, 1, QK_NOPE + QK_ROPE, device="cuda", dtype=torch.bfloat16)
+    reason = _cuda.unavailable_reason() if not _cuda.available() else _cuda.build_unsupported_reason(probe, V_DIM)
+    if reason is not None:
+        pytest.skip(f"no kernel for head dims ({QK_NOPE + QK_ROPE}, {V_DIM}): {reason}")
+    calls = []
+    real = fm_hf.flashmask_attention
+
+    def forced(*args, **kwargs):
+        calls.append(args[2].shape[-1])  # v's head dim
+        return real(*args, backend=BACKEND, **kwargs)
+
+    monkeypatch.setattr(fm_hf, "flashmask_attention", forced)
+    return calls
+
+
+def set_impl(model, name):
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+    return model
+
+
+def models(seed=0):
+    """(bf16 model on the flashmask backend, float32 copy of the same bf16-rounded weights on eager).
+    Dense MLPs only: a mixture of experts would route a token differently on a bf16 rounding step
+    and blur what is compared here, the attention."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=128, q_lora_rank=192,
+        qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=QK_ROPE, v_head_dim=V_DIM, max_position_embeddings=8192,
+        attention_dropout=0.0)
+    torch.manual_seed(seed)
+    m16 = transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation=NAME).to("cuda", torch.bfloat16)
+    m32 = set_impl(copy.deepcopy(m16).float(), "eager")
+    return m16.eval(), m32.eval()
+
+
+def check_close(got, want32, base16, what):
+    e_got = (got.float() - want32).abs()
+    e_base = (base16.float() - want32).abs()
+    assert torch.isfinite(got).all(), what
+    assert e_got.max() <= 2 * e_base.max() + 1e-2, (what, float(e_got.max()), float(e_base.max()))
+    assert e_got.mean() <= 2 * e_base.mean() + 1e-3, (what, float(e_got.mean()), float(e_base.mean()))
+
+
+def docs_for(seed, n, lo, hi):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def alone(model, seqs, name):
+    set_impl(model, name)
+    with torch.no_grad():
+        return [model(input_ids=s[None].cuda(), use_cache=False).logits[0].float() for s in seqs]
+
+
+@pytest.mark.parametrize("source", ["position_ids", "mask"])
+def test_packed_batch_bf16_matches_documents_alone(source, kernel_calls):
+    m16, m32 = models()
+    docs = docs_for(1, 10, 30, 700)
+    b = PackedSFTCollator(2048, padding="max_length")([{"input_ids": d} for d in docs])
+    inputs = model_inputs(b, "cuda")
+    if source == "position_ids":  # the documents told apart by restarting positions only
+        del inputs["attn_mask_startend_row_indices"]
+    with torch.no_grad():
+        got = m16(**inputs, use_cache=False).logits
+    assert kernel_calls == [V_DIM] * 2  # the kernels ran, once per layer, on the unpadded value
+    want, base = alone(m32, docs, "eager"), alone(m16, docs, "eager")
+    set_impl(m16, NAME)
+    rows = pack_sequences([len(d) for d in docs], 2048)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            n = len(docs[i])
+            check_close(got[r, col:col + n], want[i], base[i], f"doc {i}")
+            col += n
+
+
+def test_padded_batch_bf16_matches_eager():
+    m16, m32 = models(seed=1)
+    g = torch.Generator().manual_seed(2)
+    lens = [700, 300, 520]
+    ids = torch.randint(0, VOCAB, (3, max(lens)), generator=g).cuda()
+    am = torch.zeros(3, max(lens), dtype=torch.long, device="cuda")
+    for i, n in enumerate(lens):
+        am[i, max(lens) - n:] = 1  # left padding
+    with torch.no_grad():
+        got = m16(input_ids=ids, attention_mask=am, use_cache=False).logits
+        want = m32(input_ids=ids, attention_mask=am, use_cache=False).logits
+        base = set_impl(m16, "eager")(input_ids=ids, attention_mask=am, use_cache=False).logits
+    set_impl(m16, NAME)
+    real = am.bool()
+    check_close(got[real], want[real], base[real], "padded batch")
+
+
+def test_packed_sft_bf16_gradients_match_separate_documents():
+    m16, m32 = models(seed=3)
+    docs = docs_for(4, 6, 50, 600)
+    b = {k: v.cuda() for k, v in PackedSFTCollator(2048)([{"input_ids": d} for d in docs]).items()}
+    n_targets = sum(len(d) - 1 for d in docs)
+
+    def grads(model, packed):
+        model.zero_grad()
+        if packed:
+            model(**b, use_cache=False).loss.float().backward()
+        else:
+            for d in docs:
+                x = d[None].cuda()
+                (model(input_ids=x, labels=x, use_cache=False).loss.float() * (len(d) - 1) / n_targets).backward()
+        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+    got = grads(m16.train(), True)
+    set_impl(m16, "eager")
+    base = grads(m16, False)
+    set_impl(m16, NAME)
+    want = grads(m32.train(), False)
+    rel = lambda x: float((x - want).norm() / want.norm())  # noqa: E731
+    assert torch.isfinite(got).all()
+    assert rel(got) <= 2 * rel(base) + 1e-3, (rel(got), rel(base))

@@ -87,6 +87,7 @@ def test_build_subset_reason(monkeypatch, dims, dtypes, d, dtype, expect):
     """A build with a subset of head dims or dtypes says so (the kernels are never called)."""
     from flashmask import _cuda
     monkeypatch.setattr(_cuda, "compiled_head_dims", lambda: dims)
+    monkeypatch.setattr(_cuda, "compiled_head_dim_pairs", lambda: tuple((d, d) for d in dims))
     monkeypatch.setattr(_cuda, "compiled_dtypes", lambda: dtypes)
     reason = _cuda.build_unsupported_reason(torch.empty(1, 4, 2, d, dtype=dtype))
     if expect is None:

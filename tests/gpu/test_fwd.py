@@ -36,6 +36,18 @@ def test_head_dims_random_masks(dtype, d, causal, c):
     assert_close_to_reference(out, lse, q, k, v, mask, causal)
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("sq,sk,hm", [(333, 517, 1), (517, 333, 2), (700, 700, 6)])
+def test_head_dims_odd_shapes_gqa_mask_heads(d, sq, sk, hm):
+    """Every head dim (each on its own tiles: 64-key blocks above 128) off the tiles, Sq != Sk, GQA 6/2
+    and mask heads 1, Hk and Hq, with every C form."""
+    causal, c = MODES[(sq + hm + d) % len(MODES)]
+    q, k, v = make_qkv(2, sq, sk, 6, 2, d, DTYPES[-1])
+    mask = random_startend(2, hm, sq, sk, causal, c, device="cuda")
+    out, lse = run_kernel(q, k, v, mask, causal)
+    assert_close_to_reference(out, lse, q, k, v, mask, causal)
+
+
 SIZES = [1, 17, 127, 1000, 4097]
 
 

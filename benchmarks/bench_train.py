@@ -1,8 +1,11 @@
-"""End to end: a packed SFT training step of a 0.5B-3B Llama-style model, per attention backend.
+"""End to end: a packed SFT training step of a 0.5B-3B transformers model, per attention backend.
 
-A randomly initialised transformers model (``training_examples.models.build_model``; presets
-``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``3b`` = Llama-3.2-3B shape (head dim
-128), ``tiny`` for CPU tests) trains with
+A randomly initialised transformers model (``training_examples.models.build_model``; ``--arch
+llama|qwen2`` presets ``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``3b`` =
+Llama-3.2-3B shape (head dim 128); ``--arch gemma3`` preset ``1b`` = Gemma-3-1B shape (head dim
+256, a 512-token sliding window on 5 layers of 6); ``--arch deepseek_v3`` presets ``16h`` / ``32h``
+= DeepSeek-V3's multi-head latent attention with 16 / 32 heads (q/k head dim 192, v head dim 128)
+and dense MLPs; ``tiny`` of each for CPU tests; ``--layers`` sets the depth) trains with
 AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
 exactly the context length by :class:`flashmask.data.PackedSFTCollator` (``position_ids`` restart
 at every document, label ``-100`` on every document's first token, and the causal-document mask
@@ -20,6 +23,16 @@ batches under the same mask:
   (``--flex-mask position_ids``: transformers builds the packed block mask itself from the
   restarting ``position_ids``, checked against ours before timing).
 
+A model whose layers attend differently (Gemma 3: a causal sliding window on its sliding layers,
+global attention on the others; Qwen2 with ``--sliding-window``) gets the window on top of the
+document mask on its sliding layers with every method: flashmask's backend merges the window the
+model passes to each layer into the mask; ``sdpa_dense`` and ``flex`` get one mask per layer type
+(a dict ``{layer type: mask}``, the form the model's forward accepts), each built from the same
+``startend_row_indices`` with the window merged in (``masks.convert.merge_window``, as flashmask
+does). Before timing, the dense and flex masks the model will see (flex: ours, or transformers'
+with ``--flex-mask position_ids``) are compared, element by element and per layer type, with the
+document-causal (and sliding-window) mask of a small packed row computed from its documents.
+
 A step = building the method's mask from the batch (the collator's ``startend_row_indices`` is
 the data pipeline's; the dense mask and the block mask are built per batch, as they would be in
 training), forward, loss, backward, ``optimizer.step()``, ``zero_grad``. After ``--warmup-steps``
@@ -34,6 +47,8 @@ Examples::
     python -m benchmarks.bench_train                                   # 0.5b, 8K and 32K, 3 methods
     python -m benchmarks.bench_train --model-size 1b --gradient-checkpointing --find-max
     python -m benchmarks.bench_train --methods flashmask,flex --seqlens 8k,32k,64k --steps 10
+    python -m benchmarks.bench_train --arch gemma3 --seqlens 32k,128k --methods flashmask,flex \
+        --doc-len 8192,32768 --gradient-checkpointing --steps 3 --warmup-steps 2
 """
 from __future__ import annotations
 
@@ -60,7 +75,7 @@ from benchmarks.output import default_out_dir, environment, write_results
 from benchmarks.report import fmt_len, format_table, shorten, table_cell
 from benchmarks.timing import sync
 from training_examples.byte_tokenizer import VOCAB_SIZE
-from training_examples.models import MODEL_SIZES
+from training_examples.models import ARCHS, DEFAULT_SIZE, arch_sizes
 from training_examples.models import build_model as build_preset
 
 TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex")
@@ -73,19 +88,33 @@ MAX_SEQLEN = 1 << 20  # 1M tokens: a 0.5B model with gradient checkpointing runs
 _FALLBACK_WARNING = "flashmask: using the reference path"
 
 
+def _preset_text(dims: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in dims.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    sizes = MODEL_SIZES
+    sizes = {a: arch_sizes(a) for a in ARCHS}
+    all_sizes = sorted({k for v in sizes.values() for k in v})
+    epilog = "Model presets per arch: " + "; ".join(
+        f"{a if a != 'llama' else 'llama/qwen2'} {k} ({_preset_text(d)})"
+        for a, v in sizes.items() if a != "qwen2" for k, d in v.items())
     p = argparse.ArgumentParser(
         prog="bench_train.py",
-        description="Packed SFT training step (tokens/s, peak memory) of a randomly initialised Llama-style model "
+        description="Packed SFT training step (tokens/s, peak memory) of a randomly initialised transformers model "
                     "with flashmask, SDPA with a dense mask, and FlexAttention as transformers attention backends.",
-        epilog="Model presets (hidden, intermediate, layers, heads, kv heads): "
-               + "; ".join(f"{k}={v}" for k, v in sizes.items()),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-size", default="0.5b", choices=list(sizes),
-                   help="0.5b: Qwen2-0.5B shape, 1b: Llama-3.2-1B shape (both head dim 64), "
-                        "3b: Llama-3.2-3B shape (head dim 128), tiny/small: tests")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2"], help="transformers model class")
+        epilog=epilog, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-size", default=None, choices=all_sizes,
+                   help="preset of --arch; llama/qwen2: 0.5b = Qwen2-0.5B shape, 1b = Llama-3.2-1B shape (both head "
+                        "dim 64), 3b = Llama-3.2-3B shape (head dim 128); gemma3: 1b = Gemma-3-1B shape; "
+                        "deepseek_v3: 16h / 32h = its attention with 16 / 32 heads; tiny/small: tests. Default: "
+                        + ", ".join(f"{a} {k}" for a, k in DEFAULT_SIZE.items()))
+    p.add_argument("--arch", default="llama", choices=list(ARCHS), help="transformers model class")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the preset's; gemma3 keeps one global layer in 6, so with fewer "
+                        "than 6 layers every layer slides)")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="gemma3: the window of its sliding layers (default the preset's); qwen2: a window on every "
+                        "layer")
     p.add_argument("--vocab-size", type=int, default=32000, help="embedding and LM head rows (>= 320)")
     p.add_argument("--seqlens", default="8192,32768", help="context lengths (tokens per packed row); 'k' = 1024")
     p.add_argument("--batch", type=int, default=1, help="packed rows per step")
@@ -141,6 +170,17 @@ def parse_args(argv=None):
         parser.error(f"--vocab-size must be >= {min_vocab}")
     if args.warmup_steps < 0:
         parser.error("--warmup-steps must be >= 0")
+    sizes = arch_sizes(args.arch)
+    if args.model_size is None:
+        args.model_size = DEFAULT_SIZE[args.arch]
+    elif args.model_size not in sizes:
+        parser.error(f"--model-size {args.model_size} is not a preset of --arch {args.arch}; choose from "
+                     f"{sorted(sizes)}")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    if args.sliding_window is not None and (args.arch not in ("gemma3", "qwen2") or args.sliding_window < 1):
+        parser.error(f"--sliding-window takes a value >= 1 with --arch gemma3 or qwen2, got {args.sliding_window} "
+                     f"with --arch {args.arch}")
     if args.flex_no_compile:
         args.flex_block_mask = "eager"  # transformers compiles flex_attention itself in any case
     if args.out is None:
@@ -199,7 +239,7 @@ def build_model(args, method: str, seqlen: int, device: torch.device, dtype: tor
     with ctx:
         model = build_preset(args.arch, args.model_size, attn_implementation=ATTN_IMPLEMENTATION[method],
                              max_length=seqlen, vocab_size=args.vocab_size, dtype=dtype, device=device,
-                             seed=args.seed)
+                             seed=args.seed, sliding_window=args.sliding_window, num_layers=args.layers)
     model.config.use_cache = False
     if args.gradient_checkpointing:
         kw = {"use_reentrant": False}
@@ -211,31 +251,76 @@ def build_model(args, method: str, seqlen: int, device: torch.device, dtype: tor
     return model
 
 
+def attention_dims(cfg) -> tuple:
+    """``(query heads, key/value heads, q/k head dim, v head dim)`` of a transformers config."""
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if getattr(cfg, "qk_nope_head_dim", None) is not None:  # multi-head latent attention (DeepSeek-V2/V3)
+        return heads, kv_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, kv_heads, hd, hd
+
+
+def layer_windows(cfg) -> Optional[dict]:
+    """``{layer type: sliding window or None}`` of a model with sliding-window layers (Gemma 3, Qwen2
+    with a window), in the order of ``cfg.layer_types``; ``None`` when every layer attends alike."""
+    types = list(dict.fromkeys(getattr(cfg, "layer_types", None) or []))
+    if "sliding_attention" not in types:
+        return None
+    other = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if other:
+        raise RuntimeError(f"layer types {other} of this model have no mask here (full_attention and "
+                           "sliding_attention only)")
+    if getattr(cfg, "sliding_window", None) is None:
+        raise RuntimeError("the model has sliding_attention layers but config.sliding_window is None")
+    return {t: (int(cfg.sliding_window) if t == "sliding_attention" else None) for t in types}
+
+
+def layer_startends(startend: torch.Tensor, windows: Optional[dict]) -> dict:
+    """The mask of each layer type: ``startend`` itself, with the causal window ``w`` (key ``j``
+    seen from query ``i`` iff ``i - w < j <= i``, transformers' rule) merged in on sliding layers,
+    as flashmask's backend merges it. ``{None: startend}`` when every layer attends alike."""
+    from masks.convert import merge_window
+    if windows is None:
+        return {None: startend}
+    s = startend.shape[2]
+    return {t: startend if w is None or w >= s else merge_window(startend, True, (w - 1, 0), s)
+            for t, w in windows.items()}
+
+
 def check_method(method: str, args, model, seqlen: int, device: torch.device, dtype: torch.dtype) -> List[str]:
     """Checks before building anything big; returns notes for the row. Raises :class:`Skip`
     (an ``n/a`` row: the dense mask does not fit) or ``RuntimeError``."""
     cfg = model.config
+    windows = layer_windows(cfg)
     notes = []
+    if windows is not None:
+        notes.append("sliding window " + str(windows["sliding_attention"]) + " on "
+                     + f"{cfg.layer_types.count('sliding_attention')}/{len(cfg.layer_types)} layers")
     if method == "flashmask":
         import flashmask
         from flashmask import _checks
         if args.flashmask_backend == "cuda":
             if not flashmask.cuda.available():
                 raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
-            hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            q = torch.empty(1, 8, cfg.num_attention_heads, hd, dtype=dtype, device=device)
-            kv = torch.empty(1, 8, cfg.num_key_value_heads, hd, dtype=dtype, device=device)
-            reason = _checks.kernel_unsupported_reason(q, kv, kv)
+            heads, kv_heads, dqk, dv = attention_dims(cfg)
+            q = torch.empty(1, 8, heads, dqk, dtype=dtype, device=device)
+            k = torch.empty(1, 8, kv_heads, dqk, dtype=dtype, device=device)
+            v = torch.empty(1, 8, kv_heads, dv, dtype=dtype, device=device)
+            reason = _checks.kernel_unsupported_reason(q, k, v)
+            if reason is None and device.type == "cuda":
+                reason = flashmask.cuda.build_unsupported_reason(q, dv)
             if reason is not None:
                 raise RuntimeError(f"flashmask CUDA kernels cannot run this model: {reason}")
         elif not (device.type == "cuda" and flashmask.cuda.available()):
             notes.append("flashmask reference path")
     elif method == "sdpa_dense":
-        fits, note = dense_fit(args.batch, 1, seqlen, seqlen, dtype, device, args.dense_mem_fraction,
-                                      additive=args.dense_mask == "additive")
+        n_masks = 1 if windows is None else len(windows)
+        fits, note = dense_fit(args.batch * n_masks, 1, seqlen, seqlen, dtype, device, args.dense_mem_fraction,
+                               additive=args.dense_mask == "additive")
         if not fits:
-            raise Skip(note)
-        notes.append(f"{args.dense_mask} mask")
+            raise Skip(note + ("" if n_masks == 1 else f"; one mask per layer type: {n_masks}"))
+        notes.append(f"{args.dense_mask} mask" + ("" if n_masks == 1 else f" per layer type ({n_masks})"))
     elif method == "flex":
         from transformers.utils import is_torch_flex_attn_available
         if not is_torch_flex_attn_available():
@@ -248,50 +333,154 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
     return notes
 
 
-def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """The mask arguments of the model for one batch (on ``device``), built as the method needs."""
+def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: torch.dtype,
+                windows: Optional[dict] = None) -> dict:
+    """The mask arguments of the model for one batch (on ``device``), built as the method needs.
+
+    ``windows`` (:func:`layer_windows`): sdpa_dense and flex then pass ``attention_mask`` as a dict
+    ``{layer type: mask}``; flashmask's backend gets the window from the model in every layer.
+    """
     from flashmask.data import MASK_KEY
     startend = batch[MASK_KEY]
     bsz, _, s, _ = startend.shape
     if method == "flashmask":
         return {MASK_KEY: startend}
-    if method == "sdpa_dense":
-        return {"attention_mask": dense_mask(startend, True, s,
-                                                    dtype=dtype if args.dense_mask == "additive" else torch.bool)}
-    if method == "flex":
-        if args.flex_mask == "position_ids":
-            return {}
-        mm = FLEX_MASK_MODS.get(startend, True, s, None)
-        bm, _ = build_block_mask(mm, None if bsz == 1 else bsz, None, s, s, device, args.flex_block_mask)
-        return {"attention_mask": bm}
-    raise ValueError(f"unknown method {method!r}; choose from {TRAIN_METHODS}")
+    if method == "flex" and args.flex_mask == "position_ids":
+        return {}
+    if method not in ("sdpa_dense", "flex"):
+        raise ValueError(f"unknown method {method!r}; choose from {TRAIN_METHODS}")
+    out = {}
+    for layer_type, se in layer_startends(startend, windows).items():
+        if method == "sdpa_dense":
+            out[layer_type] = dense_mask(se, True, s, dtype=dtype if args.dense_mask == "additive" else torch.bool)
+        else:
+            mm = FLEX_MASK_MODS.get(se, True, s, None, tag=layer_type)
+            out[layer_type], _ = build_block_mask(mm, None if bsz == 1 else bsz, None, s, s, device,
+                                                  args.flex_block_mask)
+    return {"attention_mask": out[None] if windows is None else out}
 
 
-def check_hf_packed_block_mask(model, args, batch: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """``--flex-mask position_ids``: raise unless transformers' block mask from the restarting
-    position_ids equals (block by block, partial and full blocks) the one of the library mask."""
+def hf_layer_masks(model, batch: dict, device: torch.device, dtype: torch.dtype,
+                   windows: Optional[dict]) -> dict:
+    """The masks transformers makes from the batch's restarting ``position_ids`` for the model's
+    attention implementation, per layer type (:func:`layer_startends`' keys)."""
     from transformers import masking_utils
     pos = batch["position_ids"]
     bsz, s = pos.shape
     params = inspect.signature(masking_utils.create_causal_mask).parameters
-    kw = {"config": model.config, "attention_mask": None, "past_key_values": None, "position_ids": pos}
+    kw = {"config": model.config, "attention_mask": None, "position_ids": pos,
+          "cache" if "cache" in params else "past_key_values": None}
     emb = torch.empty(bsz, s, 1, dtype=dtype, device=device)  # only its shape, dtype and device are read
     kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = emb
     if "cache_position" in params:
         kw["cache_position"] = torch.arange(s, device=device)
-    theirs = masking_utils.create_causal_mask(**kw)
+    if windows is None:
+        return {None: masking_utils.create_causal_mask(**kw)}
+    out = {}
+    for layer_type, w in windows.items():
+        make = masking_utils.create_causal_mask if w is None else masking_utils.create_sliding_window_causal_mask
+        out[layer_type] = make(**kw)
+    return out
+
+
+def _layer_name(layer_type: Optional[str]) -> str:
+    return "every layer's" if layer_type is None else f"the {layer_type} layers'"
+
+
+def check_hf_packed_block_mask(model, args, batch: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """``--flex-mask position_ids``: raise unless transformers' block masks from the restarting
+    position_ids equal (block by block, partial and full blocks, per layer type) ours."""
+    windows = layer_windows(model.config)
+    theirs = hf_layer_masks(model, batch, device, dtype, windows)
     ours = mask_inputs("flex", argparse.Namespace(**{**vars(args), "flex_mask": "block_mask"}), batch, device,
-                       dtype)["attention_mask"]
-    if theirs is None or not hasattr(theirs, "to_dense"):
-        raise RuntimeError(f"transformers made no BlockMask from position_ids (got {type(theirs).__name__})")
+                       dtype, windows)["attention_mask"]
+    if windows is None:
+        ours = {None: ours}
+    bsz = batch["position_ids"].shape[0]
 
     def blocks(bm):
         full = bm.full_kv_num_blocks
         return bm.to_dense().expand(bsz, -1, -1, -1), None if full is None else full.expand(bsz, -1, -1)
 
-    (a, fa), (b, fb) = blocks(theirs), blocks(ours)
-    if not torch.equal(a.bool(), b.bool()) or (fa is not None and fb is not None and not torch.equal(fa, fb)):
-        raise RuntimeError("transformers' block mask from position_ids differs from the packed-document mask")
+    for layer_type, bm in theirs.items():
+        if bm is None or not hasattr(bm, "to_dense"):
+            raise RuntimeError(f"transformers made no BlockMask from position_ids for {_layer_name(layer_type)} "
+                               f"attention (got {type(bm).__name__})")
+        (a, fa), (b, fb) = blocks(bm), blocks(ours[layer_type])
+        if not torch.equal(a.bool(), b.bool()) or (fa is not None and fb is not None and not torch.equal(fa, fb)):
+            raise RuntimeError(f"transformers' block mask from position_ids for {_layer_name(layer_type)} attention "
+                               "differs from the packed-document mask")
+
+
+def expected_mask(position_ids: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """bool ``[B, S, S]``: query ``i`` sees key ``j`` iff both are in the same document (documents
+    start where ``position_ids`` is 0), ``j <= i`` and, with a ``window``, ``i - window < j``."""
+    doc = (position_ids == 0).cumsum(-1)
+    i = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    seen = (doc[:, :, None] == doc[:, None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        seen &= i[:, None] - i[None, :] < window
+    return seen
+
+
+def _block_table(num: torch.Tensor, idx: torch.Tensor, nk: int) -> torch.Tensor:
+    """bool ``[B, H, Q blocks, nk]`` from a BlockMask's (count, indices) pair."""
+    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    out = torch.zeros(*idx.shape[:-1], nk + 1, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, torch.where(valid, idx.long(), nk), True)[..., :nk]
+
+
+def block_mask_as_dense(bm, bsz: int, s: int) -> torch.Tensor:
+    """bool ``[B, S, S]``: what FlexAttention computes with ``bm`` (head 0): its full blocks, and its
+    partial blocks where the mask_mod is True; every other block is skipped."""
+    from torch.nn.attention.flex_attention import create_mask
+    qb, kb = bm.BLOCK_SIZE
+    nk = -(-s // kb)
+
+    def elements(t):
+        t = t.expand(bsz, -1, -1, -1)[:, 0]
+        return t.repeat_interleave(qb, -2).repeat_interleave(kb, -1)[:, :s, :s]
+
+    partial = elements(_block_table(bm.kv_num_blocks, bm.kv_indices, nk))
+    full = torch.zeros_like(partial)
+    if bm.full_kv_num_blocks is not None:
+        full = elements(_block_table(bm.full_kv_num_blocks, bm.full_kv_indices, nk))
+    mod = create_mask(bm.mask_mod, bsz, 1, s, s, device=bm.kv_num_blocks.device)[:, 0]
+    return full | (partial & mod)
+
+
+def check_layer_masks(method: str, model, args, seqlen: int, device: torch.device, dtype: torch.dtype) -> str:
+    """Before timing: the masks ``method`` gives the model (sdpa_dense: the dense masks; flex: our
+    block masks, or transformers' with ``--flex-mask position_ids``), per layer type, on a small
+    packed row (up to 2048 tokens, or 4 windows) whose documents are longer than the window, equal
+    element by element :func:`expected_mask`. Raises ``RuntimeError``; returns a note."""
+    windows = layer_windows(model.config)
+    widest = max([w for w in (windows or {}).values() if w is not None], default=0)
+    s = min(seqlen, max(2048, 4 * widest))
+    batch = synthetic_batches(1, min(args.batch, 2), s, args.vocab_size, (max(1, s // 8), max(1, s // 2)),
+                              args.seed + 1)[0]
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if method == "flex" and args.flex_mask == "position_ids":
+        given = hf_layer_masks(model, batch, device, dtype, windows)
+    else:
+        small = argparse.Namespace(**{**vars(args), "flex_block_mask": "eager"})
+        given = mask_inputs(method, small, batch, device, dtype, windows)["attention_mask"]
+        given = {None: given} if windows is None else given
+    pos = batch["position_ids"]
+    for layer_type, mask in given.items():
+        want = expected_mask(pos, None if windows is None else windows[layer_type])
+        if hasattr(mask, "mask_mod"):
+            got = block_mask_as_dense(mask, pos.shape[0], s)
+        elif isinstance(mask, torch.Tensor):
+            got = (mask if mask.dtype == torch.bool else mask == 0).expand(pos.shape[0], -1, -1, -1)[:, 0]
+        else:
+            raise RuntimeError(f"{method}: {_layer_name(layer_type)} mask is a {type(mask).__name__}")
+        if not torch.equal(got, want):
+            bad = int((got != want).sum())
+            raise RuntimeError(f"{method}: {_layer_name(layer_type)} mask differs from the packed-document "
+                               f"mask{'' if layer_type != 'sliding_attention' else ' with the sliding window'} at "
+                               f"{bad} of {want.numel()} (query, key) pairs of a {s}-token row")
+    return f"masks checked on a {s}-token row" + ("" if windows is None else " per layer type")
 
 
 def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor):
@@ -338,7 +527,11 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
     params = sum(p.numel() for p in model.parameters())
     where["params"] = params
     notes = check_method(method, args, model, seqlen, device, dtype)
+    windows = layer_windows(model.config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if method in ("sdpa_dense", "flex"):
+        where["stage"] = "checking the masks"
+        notes.append(check_layer_masks(method, model, args, seqlen, device, dtype))
     if method == "flex" and args.flex_mask == "position_ids":
         where["stage"] = "checking transformers' block mask"
         check_hf_packed_block_mask(model, args, {k: v.to(device) for k, v in batches[0].items()}, device, dtype)
@@ -360,7 +553,7 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
             batch = {k: v.to(device) for k, v in cpu_batch.items()}
             sync(device)
             t0 = time.perf_counter()
-            mask_kw = mask_inputs(method, args, batch, device, dtype)
+            mask_kw = mask_inputs(method, args, batch, device, dtype, windows)
             sync(device)
             t1 = time.perf_counter()
             loss = float(train_step(model, opt, batch, mask_kw, args))
@@ -386,10 +579,14 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
             "step_ms": [1e3 * t for t in times], "notes": "; ".join(notes)}
 
 
+def model_name(args) -> str:
+    return f"{args.arch}-{args.model_size}" + ("" if args.layers is None else f"-{args.layers}l")
+
+
 def try_run(method: str, seqlen: int, batches: List[dict], stats: dict, args, device, dtype,
             find_max: bool = False) -> dict:
     """One row; never raises. An OOM, a mask that does not fit or any error becomes the row's status."""
-    row = {"model": f"{args.arch}-{args.model_size}", "seqlen": seqlen, "batch": args.batch, "method": method,
+    row = {"model": model_name(args), "seqlen": seqlen, "batch": args.batch, "method": method,
            "attn_implementation": ATTN_IMPLEMENTATION[method], "find_max": find_max, **stats}
     where = {"stage": "setup"}
     fatal = False
@@ -471,9 +668,12 @@ def run(args) -> list:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf  # read when the allocator starts
     if "flex" in args.methods:
         configure_dynamo()
-    meta = {"script": "bench_train", "args": dict(vars(args)), "env": environment(device),
-            "model_size": dict(zip(("hidden", "intermediate", "layers", "heads", "kv_heads"),
-                                   MODEL_SIZES[args.model_size]))}
+    preset = dict(arch_sizes(args.arch)[args.model_size])
+    if args.layers is not None:
+        preset["layers"] = args.layers
+    if args.sliding_window is not None:
+        preset["sliding_window"] = args.sliding_window
+    meta = {"script": "bench_train", "args": dict(vars(args)), "env": environment(device), "model_size": preset}
     try:
         import transformers
         meta["env"]["transformers"] = transformers.__version__
@@ -484,7 +684,7 @@ def run(args) -> list:
     if device.type == "cuda":
         env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     print(f"device {env.get('gpu', device)} | torch {env['torch']} | transformers {env['transformers']} | "
-          f"flashmask kernels {env.get('flashmask_kernels')} | {args.arch}-{args.model_size} {args.dtype} "
+          f"flashmask kernels {env.get('flashmask_kernels')} | {model_name(args)} {args.dtype} "
           f"vocab {args.vocab_size} | batch {args.batch} | docs {args.doc_len[0]}-{args.doc_len[1]} tokens | "
           f"{args.warmup_steps} warmup + {args.steps} timed steps | loss {args.loss}"
           + (" | gradient checkpointing" if args.gradient_checkpointing else ""), flush=True)

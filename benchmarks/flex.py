@@ -85,15 +85,17 @@ class FlexMaskModCache:
     A later mask of the same layout has its values copied into the same buffers and gets the same
     function object back, so ``torch.compile`` sees the same function and the same tensors (only
     their values change) and reuses its compiled FlexAttention kernels instead of recompiling.
-    A mask_mod handed out earlier therefore follows the latest mask of its layout.
+    A mask_mod handed out earlier therefore follows the latest mask of its layout and ``tag``:
+    masks in use together (one per layer type of a model) need tags of their own.
     """
 
     def __init__(self):
         self._entries: Dict[tuple, Tuple[list, Callable]] = {}
 
-    def get(self, startend: torch.Tensor, causal: bool, seqlen_q: int, num_heads: Optional[int]):
+    def get(self, startend: torch.Tensor, causal: bool, seqlen_q: int, num_heads: Optional[int],
+            tag: Optional[str] = None):
         key = (bool(causal), tuple(startend.shape), str(startend.device), int(seqlen_q),
-               None if startend.shape[1] == 1 else num_heads)
+               None if startend.shape[1] == 1 else num_heads, tag)
         vecs = _split_vectors(startend, num_heads)
         if key in self._entries:
             bufs, fn = self._entries[key]

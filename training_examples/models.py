@@ -1,6 +1,7 @@
-"""The models of the examples: a randomly initialised Llama or Qwen2 preset with the byte-level
-tokenizer (nothing downloaded), or a local Hugging Face causal LM directory; then activation
-checkpointing, chunked MLPs and, with several processes, the context-parallel backend and FSDP2."""
+"""The models of the examples: a randomly initialised Llama, Qwen2, Gemma 3 or DeepSeek-V3 preset
+with the byte-level tokenizer (nothing downloaded), or a local Hugging Face causal LM directory;
+then activation checkpointing, chunked MLPs and, with several processes, the context-parallel
+backend and FSDP2."""
 from __future__ import annotations
 
 import os
@@ -20,30 +21,112 @@ MODEL_SIZES = {
     "3b": (3072, 8192, 28, 24, 8),       # Llama-3.2-3B shape (byte vocabulary): ~3B, head dim 128
 }
 
+# Gemma 3 text models. A layer attends globally when its number (from 1) is a multiple of
+# ``global_every`` and through a causal sliding window of ``sliding_window`` tokens otherwise.
+GEMMA3_SIZES = {
+    # CPU tests: layer 0 slides, layer 1 attends globally
+    "tiny": dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=1, head_dim=16, sliding_window=16,
+                 global_every=2),
+    # Gemma-3-1B shape: 22 sliding layers of 512 tokens, global attention on layers 6, 12, 18, 24
+    "1b": dict(hidden=1152, intermediate=6912, layers=26, heads=4, kv_heads=1, head_dim=256, sliding_window=512,
+               global_every=6),
+}
+
+# DeepSeek-V3 attention (multi-head latent attention: queries through a rank-1536 projection, keys
+# and values through a shared rank-512 latent; q/k head dim 128 + 64 RoPE = 192, v head dim 128)
+# with fewer heads than the real model's 128, e.g. the 16 (or 32) heads one GPU holds with 8-way
+# (4-way) tensor parallelism, and a hidden size to match. Every layer has a dense MLP (the real
+# model's first 3 do), about 2.6 x hidden as in those layers (18432 / 7168), so that neither routing
+# nor the experts' weights weigh on a comparison of attention backends.
+DEEPSEEK_V3_SIZES = {
+    # CPU tests: q/k head dim 16 + 8, v head dim 12
+    "tiny": dict(hidden=64, intermediate=128, layers=2, heads=4, q_lora_rank=48, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
+    "16h": dict(hidden=2048, intermediate=5376, layers=8, heads=16, q_lora_rank=1536, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    "32h": dict(hidden=4096, intermediate=10752, layers=8, heads=32, q_lora_rank=1536, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+}
+
+_LLAMA_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
+ARCHS = ("llama", "qwen2", "gemma3", "deepseek_v3")
+#: The preset each arch builds when no size is named.
+DEFAULT_SIZE = {"llama": "0.5b", "qwen2": "0.5b", "gemma3": "1b", "deepseek_v3": "16h"}
+
+
+def arch_sizes(arch: str) -> dict:
+    """The presets of ``arch``: name -> dict of its dimensions."""
+    if arch in ("llama", "qwen2"):
+        return {k: dict(zip(_LLAMA_FIELDS, v)) for k, v in MODEL_SIZES.items()}
+    if arch == "gemma3":
+        return GEMMA3_SIZES
+    if arch == "deepseek_v3":
+        return DEEPSEEK_V3_SIZES
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+
+
+def gemma3_layer_types(layers: int, global_every: int) -> list:
+    """Gemma 3's layer pattern: global attention on every ``global_every``-th layer, sliding elsewhere."""
+    return ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
+
 
 def build_model(arch: str, size: str, *, attn_implementation: str, max_length: int, vocab_size: int,
-                dtype: torch.dtype, device, seed: int = 0, sliding_window: Optional[int] = None):
-    """A randomly initialised Llama or Qwen2 causal LM (transformers), on ``device`` in ``dtype``."""
+                dtype: torch.dtype, device, seed: int = 0, sliding_window: Optional[int] = None,
+                num_layers: Optional[int] = None):
+    """A randomly initialised causal LM (transformers) of preset ``size`` of ``arch`` (see
+    :func:`arch_sizes`), on ``device`` in ``dtype``.
+
+    ``sliding_window``: qwen2: a window of that many tokens on every layer; gemma3: replaces the
+    preset's window (its sliding layers stay the same). ``num_layers`` replaces the preset's depth
+    (gemma3 keeps its pattern: with fewer than ``global_every`` layers every layer slides).
+    """
     import transformers
 
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
-    hidden, inter, layers, heads, kv = MODEL_SIZES[size]
-    common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, vocab_size=vocab_size, max_position_embeddings=max(max_length, 2048),
-                  rope_theta=1_000_000.0, tie_word_embeddings=True, pad_token_id=byte_tokenizer.PAD,
+    sizes = arch_sizes(arch)
+    if size not in sizes:
+        raise ValueError(f"unknown model size {size!r} for arch {arch!r}; choose from {sorted(sizes)}")
+    if num_layers is not None and int(num_layers) < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if sliding_window is not None:
+        if arch not in ("qwen2", "gemma3"):
+            raise ValueError(f"sliding_window={sliding_window}: only the qwen2 and gemma3 presets have sliding "
+                             f"windows, got arch {arch!r}")
+        if int(sliding_window) < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    dims = sizes[size]
+    layers = int(num_layers) if num_layers is not None else dims["layers"]
+    tokens = dict(vocab_size=vocab_size, max_position_embeddings=max(max_length, 2048), pad_token_id=byte_tokenizer.PAD,
                   bos_token_id=byte_tokenizer.BOS, eos_token_id=byte_tokenizer.EOS)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        extra = {}
-        if sliding_window is not None:
-            extra = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
-        cfg = transformers.Qwen2Config(**common, **extra)
-        cls = transformers.Qwen2ForCausalLM
+    if arch in ("llama", "qwen2"):
+        common = dict(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"], num_hidden_layers=layers,
+                      num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
+                      rope_theta=1_000_000.0, tie_word_embeddings=True, **tokens)
+        if arch == "llama":
+            cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+        else:
+            extra = {}
+            if sliding_window is not None:
+                extra = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
+            cfg, cls = transformers.Qwen2Config(**common, **extra), transformers.Qwen2ForCausalLM
+    elif arch == "gemma3":
+        # RoPE bases of the release: 1M on the global layers, 10K on the sliding ones (the config's defaults).
+        cfg = transformers.Gemma3TextConfig(
+            hidden_size=dims["hidden"], intermediate_size=dims["intermediate"], num_hidden_layers=layers,
+            num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+            query_pre_attn_scalar=dims["head_dim"], sliding_window=sliding_window or dims["sliding_window"],
+            layer_types=gemma3_layer_types(layers, dims["global_every"]), attention_dropout=0.0,
+            tie_word_embeddings=True, **tokens)
+        cls = transformers.Gemma3ForCausalLM
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose 'llama' or 'qwen2'")
+        # Dense MLPs on every layer (first_k_dense_replace = layers); plain RoPE, not the release's YaRN.
+        cfg = transformers.DeepseekV3Config(
+            hidden_size=dims["hidden"], intermediate_size=dims["intermediate"], num_hidden_layers=layers,
+            num_attention_heads=dims["heads"], num_key_value_heads=dims["heads"], q_lora_rank=dims["q_lora_rank"],
+            kv_lora_rank=dims["kv_lora_rank"], qk_nope_head_dim=dims["qk_nope_head_dim"],
+            qk_rope_head_dim=dims["qk_rope_head_dim"], v_head_dim=dims["v_head_dim"], first_k_dense_replace=layers,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, rope_theta=10_000.0,
+            attention_dropout=0.0, tie_word_embeddings=False, **tokens)
+        cls = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(seed)
     model = cls._from_config(cfg, attn_implementation=attn_implementation)
     return model.to(device=device, dtype=dtype)

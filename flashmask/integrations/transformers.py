@@ -45,7 +45,7 @@ A 2-D padding ``attention_mask`` ``[B, S]`` (0 = padding) is honoured on top of 
 padded keys are hidden from every query. No ``S x S`` mask is ever built: the mask function we
 register with ``AttentionMaskInterface`` only forwards the 2-D padding mask (or ``None``).
 
-A ``sliding_window`` argument (Mistral, Qwen2, ...) is honoured with transformers' own
+A ``sliding_window`` argument (Mistral, Qwen2, Gemma 3's local layers, ...) is honoured with transformers' own
 semantics: query ``i`` sees key ``j`` iff ``i - sliding_window < j <= i``.
 
 Models whose value head dim differs from the query/key one (multi-head latent attention:

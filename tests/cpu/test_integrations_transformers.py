@@ -49,6 +49,12 @@ def make_model(kind, name=NAME, seed=0):
         cls = transformers.Qwen2ForCausalLM
     elif kind == "mistral_sw":
         cfg, cls = transformers.MistralConfig(**TINY, sliding_window=3), transformers.MistralForCausalLM
+    elif kind == "gemma3_sw":  # layer 0 a sliding window of 4 tokens (Gemma 3's local layers), layer 1 global
+        if not hasattr(transformers, "Gemma3TextConfig"):
+            pytest.skip("this transformers has no Gemma 3")
+        cfg = transformers.Gemma3TextConfig(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                            layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -144,7 +150,7 @@ def test_use_flashmask_switches_an_existing_model():
 
 # ------------------------------------------------------------------------------------------------ packed SFT
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2_sw", "mistral_sw"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2_sw", "mistral_sw", "gemma3_sw"])
 @pytest.mark.parametrize("source", ["startend", "position_ids"])
 def test_packed_batch_matches_documents_alone(kind, source):
     """Two packed rows with padding: logits at every real token equal the document run alone."""

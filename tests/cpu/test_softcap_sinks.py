@@ -418,3 +418,67 @@ def test_compiled_flashmask_attention_with_both_options_on_the_reference_path():
     for x, w in zip(torch.autograd.grad(got, tensors, dout), torch.autograd.grad(want, tensors, dout)):
         torch.testing.assert_close(x, w)
 
+
+
+# --- the modules --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_attention_module_with_softcap_and_learnable_sinks(layout):
+    attn = flashmask.FlashMaskAttention(causal=True, layout=layout, softcap=3.0, sinks=True, num_heads=4)
+    assert isinstance(attn.sinks, torch.nn.Parameter) and attn.sinks.shape == (4,) and (attn.sinks == 0).all()
+    assert [n for n, _ in attn.named_parameters()] == ["sinks"] and "softcap=3.0, sinks=[4]" in repr(attn)
+    with torch.no_grad():
+        attn.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    q, k, v, _ = inputs(2, 10, 10, 4, 2, 16, 8, seed=12, dtype=torch.float32)
+    mask = masks.causal_document(10, [[4, 6], [10]])
+    args = (q, k, v) if layout == "bshd" else tuple(t.transpose(1, 2) for t in (q, k, v))
+    out = attn(*args, mask)
+    out = out if layout == "bshd" else out.transpose(1, 2)
+    want = flashmask_attention(q, k, v, mask, causal=True, softcap=3.0, sinks=attn.sinks.detach())
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    assert attn.sinks.grad is not None and attn.sinks.grad.abs().sum() > 0
+
+
+def test_attention_module_takes_initial_sink_values():
+    init = torch.tensor([1.0, -2.0])
+    attn = flashmask.FlashMaskAttention(sinks=init)
+    assert isinstance(attn.sinks, torch.nn.Parameter) and torch.equal(attn.sinks.detach(), init)
+    assert attn.sinks.data_ptr() != init.data_ptr()  # a copy: the argument is not trained in place
+    assert flashmask.FlashMaskAttention(sinks=False).sinks is None
+    assert flashmask.FlashMaskAttention().sinks is None and "sinks" not in repr(flashmask.FlashMaskAttention())
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(sinks=True), ValueError, r"sinks=True needs num_heads, the number of query heads \(a positive int\), "
+                                   r"got None"),
+    (dict(sinks=True, num_heads=0), ValueError, r"needs num_heads.*got 0"),
+    (dict(sinks=torch.zeros(3), num_heads=4), ValueError, r"sinks has 3 values but num_heads is 4"),
+    (dict(sinks=torch.zeros(2, 2)), TypeError, r"sinks must be None, a bool or a floating-point tensor "
+                                               r"\[num_heads\], got Tensor\(2, 2\)"),
+    (dict(sinks="yes"), TypeError, r"sinks must be None, a bool or .*got str"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
+])
+def test_attention_module_constructor_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        flashmask.FlashMaskAttention(**kwargs)
+
+
+def test_self_attention_with_softcap_and_sinks_matches_manual_computation():
+    torch.manual_seed(13)
+    attn = flashmask.FlashMaskSelfAttention(hidden_size=32, num_heads=4, num_kv_heads=2, rotary=False, softcap=2.0,
+                                            sinks=True, window_size=(3, 0)).double()
+    assert attn.attn.sinks.shape == (4,) and attn.attn.sinks.dtype == torch.float64
+    with torch.no_grad():
+        attn.attn.sinks.normal_()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    out = attn(x)
+    q = attn.q_proj(x).view(2, 9, 4, 8)
+    k = attn.k_proj(x).view(2, 9, 2, 8)
+    v = attn.v_proj(x).view(2, 9, 2, 8)
+    i, j = torch.arange(9).view(-1, 1), torch.arange(9).view(1, -1)
+    allowed = ((j <= i) & (j >= i - 3)).view(1, 1, 9, 9)
+    o, _ = oracle(q, k, v, allowed, softcap=2.0, sinks=attn.attn.sinks)
+    torch.testing.assert_close(out, attn.o_proj(o.reshape(2, 9, 32)), **TIGHT)
+    out.sum().backward()
+    assert attn.attn.sinks.grad.shape == (4,)

@@ -122,10 +122,12 @@ def set_impl(model, name: str):
     return model
 
 
-def make_model(transformers, family: str, attn_implementation: str, seed: int = 0):
+def make_model(transformers, family: str, attn_implementation: str, seed: int = 0, **config):
     """The family's small random model (float32, train mode), with the sinks drawn at a standard
-    deviation of 1 where it has them."""
+    deviation of 1 where it has them; ``config`` overrides fields of its config (e.g. the vocabulary)."""
     cls, cfg = FAMILIES[family](transformers)
+    for key, value in config.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls._from_config(cfg, attn_implementation=attn_implementation)
     with torch.no_grad():

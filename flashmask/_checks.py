@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from flashmask import _cuda
 from masks.format import validate
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -59,6 +60,37 @@ def softmax_scale_value(softmax_scale, head_dim: int) -> float:
     return value
 
 
+def softcap_value(softcap) -> float:
+    """``softcap`` as a float: 0 (off) or a finite value > 0 (each score s becomes ``softcap * tanh(s / softcap)``)."""
+    expected = "softcap must be a finite float >= 0 (0 turns soft-capping off)"
+    is_real = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+    is_scalar_tensor = (isinstance(softcap, torch.Tensor) and softcap.numel() == 1
+                        and softcap.dtype != torch.bool and not softcap.is_complex())
+    if not (is_real or is_scalar_tensor):
+        raise TypeError(f"{expected}, got {type(softcap).__name__} {softcap!r}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{expected}, got {value!r}")
+    return value
+
+
+def check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    """``sinks``: None, or a floating-point tensor ``[Hq]`` on q's device (its values are not read:
+    that would cost a device sync per call)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor [Hq] (one logit per query head) or None, got "
+                        f"{type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must have shape [Hq] = [{q.shape[2]}] (one logit per query head of q "
+                         f"{tuple(q.shape)}), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+
+
 def check_mask(startend_row_indices: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, causal: bool,
                check_values: bool) -> None:
     if startend_row_indices is None:
@@ -68,6 +100,16 @@ def check_mask(startend_row_indices: Optional[torch.Tensor], q: torch.Tensor, k:
              check_values=check_values)
     if startend_row_indices.device != q.device:
         raise ValueError(f"startend_row_indices is on {startend_row_indices.device} but q is on {q.device}")
+
+
+def kernel_options_reason(softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why the CUDA kernels cannot take these options (an option they do not support yet), or None;
+    ``_cuda.KERNEL_OPTIONS`` lists those they support."""
+    if softcap and "softcap" not in _cuda.KERNEL_OPTIONS:
+        return "the kernels do not support logit soft-capping (softcap) yet"
+    if sinks is not None and "sinks" not in _cuda.KERNEL_OPTIONS:
+        return "the kernels do not support attention sinks (sinks) yet"
+    return None
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:

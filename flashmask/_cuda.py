@@ -181,19 +181,36 @@ def _overrides(head_group: Optional[int] = None, decode_warp: Optional[int] = No
         _C._set_overrides(*previous)
 
 
+# Options of flashmask_attention the kernels take ("softcap", "sinks"); each also has to reach _C.fwd and
+# _C.bwd below. Until an option is listed, calls that use it run on the reference path.
+KERNEL_OPTIONS: frozenset = frozenset()
+
+
+def _check_options(softcap: float, sinks: Optional[torch.Tensor]) -> None:
+    # Reached only by direct calls of the ops: flashmask_attention sends these calls to the reference path.
+    for name, used in (("softcap", softcap != 0.0), ("sinks", sinks is not None)):
+        if used and name not in KERNEL_OPTIONS:
+            raise RuntimeError(f"flashmask::fwd/bwd: the kernels do not support {name} yet")
+
+
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
         causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0,
-        arch: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        arch: int = 0, softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only matters to the backward; it is an argument so that autograd saves it.
     # num_splits: split-KV CTAs per query tile (0: chosen from the shapes, 1: off).
     # arch: the kernel family (0: the newest the device runs, or FLASHMASK_ARCH; 80; 90).
+    # softcap and sinks ([Hq], float32 in the kernel): flashmask_attention's, once in KERNEL_OPTIONS.
+    _check_options(softcap, sinks)
+    # (softcap and sinks join these arguments, after arch, once the binding takes them)
     out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
     return out, lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits=0, arch=0):
+def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits=0, arch=0,
+              softcap=0.0, sinks=None):
     b, sq, hq, _ = q.shape
     return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
 
@@ -202,34 +219,64 @@ def _fwd_fake(q, k, v, startend_row_indices, causal, softmax_scale, deterministi
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: Optional[torch.Tensor], startend_row_indices: Optional[torch.Tensor],
         causal: bool, softmax_scale: float, deterministic: bool,
-        arch: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        arch: int = 0, softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)``; dsinks is float32 ``[Hq]``, or empty ``[0]`` without sinks (a custom op
+    cannot return None)."""
+    _check_options(softcap, sinks)
+    # (softcap joins these arguments, after arch, once the binding takes it; the LSE already holds the sinks)
     dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
                         arch)
-    return dq, dk, dv
+    return dq, dk, dv, sink_grad(dout, out, lse, dlse, sinks)
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic, arch=0):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic, arch=0,
+              softcap=0.0, sinks=None):
+    dsinks = q.new_empty(0 if sinks is None else q.shape[2], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+              sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """The gradient of the sink logits, float32 ``[Hq]`` (empty ``[0]`` without sinks), from the
+    forward's output and LSE: each row gives its sink the weight ``p_sink = exp(sink_h - lse)``, so
+    ``dsinks[h] = sum over batch and rows of p_sink * (dlse - rowsum(dO * O))``."""
+    if sinks is None:
+        return lse.new_empty(0, dtype=torch.float32)
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse.float())  # [B, Hq, Sq]
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # rowsum(dO * O), [B, Hq, Sq]
+    g = -delta if dlse is None else dlse.float() - delta
+    return (p_sink * g).sum((0, 2))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, startend_row_indices, causal, softmax_scale, deterministic, _, arch = inputs
+    q, k, v, startend_row_indices, causal, softmax_scale, deterministic, _, arch, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+    ctx.save_for_backward(q, k, v, out, lse, startend_row_indices, sinks)
     ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.arch = causal, softmax_scale, deterministic, arch
+    ctx.softcap = softcap
     # An unused LSE (return_lse=False, the common case) then reaches the backward as None rather
     # than as a zeroed [B, Hq, Sq] tensor allocated, filled and read on every step.
     ctx.set_materialize_grads(False)
 
 
 def _grads(ctx, dout, dlse, bwd_op):
-    q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+    q, k, v, out, lse, startend_row_indices, sinks = ctx.saved_tensors
     if dout is None:  # only the LSE reached the loss
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd_op(dout.contiguous(), q, k, v, out, lse, dlse, startend_row_indices, ctx.causal,
-                        ctx.softmax_scale, ctx.deterministic, ctx.arch)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv, dsinks = bwd_op(dout.contiguous(), q, k, v, out, lse, dlse, startend_row_indices, ctx.causal,
+                                ctx.softmax_scale, ctx.deterministic, ctx.arch, ctx.softcap, sinks)
+    dsinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return dq, dk, dv, None, None, None, None, None, None, None, dsinks
+
+
+def _eager_bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic, arch,
+               softcap, sinks):
+    # (softcap joins _C.bwd's arguments, after arch, once the binding takes it)
+    dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
+                        arch)
+    return dq, dk, dv, sink_grad(dout, out, lse, dlse, sinks)
 
 
 fwd.register_autograd(functools.partial(_grads, bwd_op=bwd), setup_context=_setup_context)
@@ -242,15 +289,17 @@ class _EagerAttention(torch.autograd.Function):
     # to forward's signature through inspect on every call (about 20 us of host time on the H100
     # machine, more than the extension call's 16 us).
     @staticmethod
-    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch):
+    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch, softcap,
+                sinks):
+        # (softcap and sinks join _C.fwd's arguments, after arch, once the binding takes them)
         out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
-        _setup_context(ctx, (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch),
-                       (out, lse))
+        _setup_context(ctx, (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch,
+                             softcap, sinks), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = _grads(ctx, dout, dlse, _C.bwd)
+        grads = _grads(ctx, dout, dlse, _eager_bwd)
         return _without_double_backward(grads) if torch.is_grad_enabled() else grads
 
 
@@ -265,9 +314,13 @@ def _without_double_backward(grads):
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a sinks parameter is a plain tensor to the kernels
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
               causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0,
-              arch: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+              arch: int = 0, softcap: float = 0.0,
+              sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the kernels, differentiable; the arguments are those of the ``fwd`` op.
 
     Plain eager calls skip the custom ops' dispatch and autograd wrapper, whose host time can exceed
@@ -275,11 +328,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_in
     torch.compile, a dispatch mode (FakeTensorMode, ...) or tensor subclasses the custom ops run, so
     that tracing sees them.
     """
-    args = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch)
+    args = (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch, softcap, sinks)
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or any(type(t) is not torch.Tensor for t in (q, k, v, startend_row_indices) if t is not None)):
+            or any(type(t) not in _PLAIN_TENSORS for t in (q, k, v, startend_row_indices, sinks) if t is not None)):
         return fwd(*args)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    _check_options(softcap, sinks)
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    if not (torch.is_grad_enabled() and needs_grad):
         # Nothing to differentiate: Function.apply would only add host time to a short call.
+        # (softcap and sinks join _C.fwd's arguments, after arch, once the binding takes them)
         return _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
     return _EagerAttention.apply(*args)

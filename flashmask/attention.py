@@ -17,8 +17,9 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         startend_row_indices: Optional[torch.Tensor] = None, *, causal: bool = False,
                         softmax_scale: Optional[float] = None,
                         window_size: Optional[Tuple[int, int]] = None, return_lse: bool = False,
-                        deterministic: bool = False, backend: str = "auto",
-                        validate: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+                        deterministic: bool = False, backend: str = "auto", validate: bool = False,
+                        softcap: float = 0.0,
+                        sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention under a FlashMask column-interval mask.
 
     Args:
@@ -38,7 +39,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
             the mask where the result is expressible in the column-interval format.
         return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, float64 for float64 inputs;
-            ``+inf`` on rows that no key may attend, whose output is 0).
+            ``+inf`` on rows that no key may attend, whose output is 0; with ``sinks`` it includes the
+            sink, and such rows get ``sinks[h]``).
         deterministic: bitwise reproducible gradients (a fixed dQ accumulation order in the kernel;
             the backward takes longer: docs/performance.md).
         backend: ``"auto"`` (the CUDA kernels when built and the inputs qualify, else the reference
@@ -52,6 +54,18 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask back to the host (one device sync per call), so it is off by default: the builders
             in :mod:`masks` already check what they return. The shapes, dtype and ``C`` are always
             checked.
+        softcap: logit soft-capping (Gemma 2): a finite float >= 0; when > 0 each score ``s`` (after
+            ``softmax_scale``) becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax.
+            0 (the default) is off.
+        sinks: attention sinks (GPT-OSS): ``None`` or a floating-point tensor ``[Hq]`` on q's device,
+            typically an ``nn.Parameter``: one extra logit per query head in every row's softmax
+            denominator, with no value: ``p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sinks[h] - m))``.
+            Differentiable (computed in float32, float64 for float64 inputs); the LSE includes it, and a
+            row that no key may attend gets output 0 and LSE ``sinks[h]``. Its values are not checked
+            (that would cost a device sync): give finite ones.
+
+        The CUDA kernels do not take ``softcap`` or ``sinks`` yet: calls that use them run on the
+        reference path (``backend="auto"`` warns once on CUDA tensors; a kernel backend raises).
 
     Returns:
         ``out`` ``[B, Sq, Hq, Dv]`` in the dtype of ``q``, and ``lse`` if ``return_lse``.
@@ -73,6 +87,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     _checks.check_qkv(q, k, v)
     _checks.check_mask(startend_row_indices, q, k, causal, check_values=validate)
+    softcap = _checks.softcap_value(softcap)
+    _checks.check_sinks(sinks, q)
     if window_size is not None:
         if startend_row_indices is None:
             # One row per sample: the kernels index the mask by batch (no broadcasting).
@@ -84,7 +100,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     use_cuda = backend in _cuda.ARCHS
     if backend != "reference":
-        reason = _checks.kernel_unsupported_reason(q, k, v)
+        reason = _checks.kernel_options_reason(softcap, sinks) or _checks.kernel_unsupported_reason(q, k, v)
         if reason is None and not _cuda.available():
             reason = _cuda.unavailable_reason()
         if reason is None:
@@ -102,9 +118,10 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     if use_cuda:
         out, lse = _cuda.attention(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0,
-                                   _cuda.ARCHS.get(backend, 0))
+                                   _cuda.ARCHS.get(backend, 0), softcap, sinks)
     else:
-        out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale)
+        extra = {} if not softcap and sinks is None else {"softcap": softcap, "sinks": sinks}
+        out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale, **extra)
     return (out, lse) if return_lse else out
 
 

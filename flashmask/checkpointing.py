@@ -194,7 +194,10 @@ _MLP_CHUNK = "_flashmask_mlp_chunk_tokens"
 
 def _chunked_forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs):
     """``module``'s original forward over ``x`` ``[..., H]`` in chunks of tokens (all leading
-    dimensions flattened: the MLP treats every token alone, so a chunk may cross rows)."""
+    dimensions flattened: the MLP treats every token alone, so a chunk may cross rows). A chunk of
+    ``c`` tokens goes in as ``[1, c, H]`` when ``x`` has a batch and a sequence dimension (as some
+    mixture-of-experts blocks expect), else as ``[c, H]``. The output is one tensor, or a tuple of it
+    and per-token tensors ``[c, ...]`` (GPT-OSS's router scores), each put back together."""
     inner, chunk = getattr(module, _MLP_INNER), getattr(module, _MLP_CHUNK)
     tokens = x.numel() // x.shape[-1] if x.dim() >= 2 and x.shape[-1] else 0
     if tokens <= chunk:
@@ -207,13 +210,23 @@ def _chunked_forward(module: torch.nn.Module, x: torch.Tensor, *args, **kwargs):
         run = inner
     outs = []
     for part in x.reshape(tokens, x.shape[-1]).split(chunk):
-        y = run(part, *args, **kwargs)
-        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != part.shape[0]:
-            raise TypeError(f"chunk_mlp: {type(module).__name__} must map [tokens, H] to one tensor "
-                            f"[tokens, H'], got {type(y).__name__} {tuple(getattr(y, 'shape', ()))}")
-        outs.append(y)
-    out = torch.cat(outs)  # the backward of cat only slices: no copy of the gradient per chunk
-    return out.view(*x.shape[:-1], out.shape[-1])
+        c = part.shape[0]
+        y = run(part.unsqueeze(0) if x.dim() >= 3 else part, *args, **kwargs)
+        parts = y if isinstance(y, tuple) else (y,)
+        main = parts[0].reshape(-1, parts[0].shape[-1]) if isinstance(parts[0], torch.Tensor) else None
+        if (main is None or main.shape[0] != c or parts[0].dim() != (3 if x.dim() >= 3 else 2)
+                or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == c for t in parts[1:])):
+            got = [f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}" for t in parts]
+            raise TypeError(f"chunk_mlp: {type(module).__name__} must map the tokens of a chunk to one tensor "
+                            f"[tokens, H'] (or a tuple of it and per-token tensors [tokens, ...]), got {got} for "
+                            f"{c} tokens")
+        outs.append((main,) + tuple(parts[1:]))
+    # (the backward of cat only slices: no copy of the gradient per chunk)
+    out = torch.cat([o[0] for o in outs])
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    if len(outs[0]) == 1:
+        return out
+    return (out,) + tuple(torch.cat([o[i] for o in outs]) for i in range(1, len(outs[0])))
 
 
 def _find_mlps(model: torch.nn.Module, name: str) -> list:
@@ -240,8 +253,10 @@ def chunk_mlp(model: torch.nn.Module, chunk_tokens: int = MLP_CHUNK_TOKENS, *, m
     Calling it again changes the chunk size. Composes with :func:`enable_activation_checkpointing`
     (either order). Returns ``model``.
 
-    Only for MLPs that act on each token alone (every dense transformer MLP; MoE blocks route
-    per token too, but their auxiliary outputs are not supported: the output must be one tensor).
+    Only for MLPs that act on each token alone: every dense transformer MLP, and mixture-of-experts
+    blocks, which route per token (GPT-OSS's, which also returns its per-token router scores,
+    DeepSeek-V3's); the output must be one tensor or a tuple of it and per-token tensors (an
+    auxiliary loss over all tokens would be split into chunks: not supported).
     """
     if isinstance(chunk_tokens, bool) or not hasattr(chunk_tokens, "__index__") or int(chunk_tokens) < 1:
         raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens!r}")

@@ -32,7 +32,7 @@ import torch
 #: the one definition, also importable as ``flashmask.data.IGNORE_INDEX``.
 IGNORE_INDEX = -100
 
-__all__ = ["linear_cross_entropy", "causal_lm_loss", "linear_token_logps", "IGNORE_INDEX"]
+__all__ = ["linear_cross_entropy", "causal_lm_loss", "linear_token_logps", "final_logit_softcap", "IGNORE_INDEX"]
 
 
 class _HeadGrads:
@@ -56,9 +56,26 @@ class _HeadGrads:
             self.db.add_(d.sum(0))
 
 
+def _capped(logits: torch.Tensor, cap: float, need_grad: bool):
+    """``(cap * tanh(logits / cap), d capped / d logits)`` in place over ``logits`` (Gemma 2's final
+    logit soft-capping); ``(logits, None)`` for ``cap == 0``; the derivative only if ``need_grad``."""
+    if not cap:
+        return logits, None
+    t = logits.div_(cap).tanh_()
+    dcap = 1 - t * t if need_grad else None
+    return t.mul_(cap), dcap
+
+
+def _check_softcap(logit_softcap) -> float:
+    value = 0.0 if logit_softcap is None else logit_softcap
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < float("inf")):
+        raise ValueError(f"logit_softcap must be None or a finite float >= 0, got {logit_softcap!r}")
+    return float(value)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, ignore_index: int, normalizer):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, ignore_index: int, normalizer, cap: float):
         n, h = hidden.shape
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # softmax dtype
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -72,6 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i in range(0, n, chunk_size):
             hc, yc = hidden[i:i + chunk_size], targets[i:i + chunk_size]
             logits = torch.nn.functional.linear(hc, weight, bias).to(acc)  # [c, V], the only big buffer
+            logits, dcap = _capped(logits, cap, need_any)  # (dcap: a second one, with a cap)
             valid = yc != ignore_index
             safe_y = torch.where(valid, yc, 0).unsqueeze(1)
             lse = torch.logsumexp(logits, dim=-1)
@@ -82,8 +100,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = logits.sub_(lse.unsqueeze(1)).exp_()
                 g.scatter_add_(1, safe_y, torch.full_like(picked, -1.0).unsqueeze(1))
                 g.mul_((valid.to(g.dtype) * scale).unsqueeze(1))
+                if dcap is not None:
+                    g.mul_(dcap)
                 grads.add(slice(i, i + chunk_size), g, hc, weight)
-            del logits
+            del logits, dcap
         ctx.save_for_backward(*(t for t in (grads.dh, grads.dw, grads.db) if t is not None))
         ctx.which = (need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -99,13 +119,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 out.append((t * grad).to(dtype))
             else:
                 out.append(None)
-        return out[0], out[1], out[2], None, None, None, None
+        return out[0], out[1], out[2], None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, *, chunk_size: int = 4096,
                          ignore_index: int = IGNORE_INDEX, reduction: str = "mean",
-                         normalizer: Optional[Union[float, torch.Tensor]] = None) -> torch.Tensor:
+                         normalizer: Optional[Union[float, torch.Tensor]] = None,
+                         logit_softcap: Optional[float] = None) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, targets)`` without materialising the logits.
 
     Args:
@@ -117,6 +138,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         normalizer: divide the sum by this instead (e.g. the number of targets of the whole
             batch when this process holds a shard of it: context parallelism, gradient
             accumulation); overrides ``reduction``.
+        logit_softcap: the logits become ``logit_softcap * tanh(logits / logit_softcap)`` before the
+            softmax (Gemma 2's ``config.final_logit_softcapping``); None or 0: off.
 
     Returns:
         A float32 scalar (float64 for float64 inputs). Differentiable in ``hidden``, ``weight`` and ``bias``.
@@ -138,20 +161,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
             normalizer = 1.0
         else:
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return _LinearCrossEntropy.apply(h, weight, bias, y.long(), int(chunk_size), int(ignore_index), normalizer)
+    cap = _check_softcap(logit_softcap)
+    return _LinearCrossEntropy.apply(h, weight, bias, y.long(), int(chunk_size), int(ignore_index), normalizer, cap)
 
 
 def causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: Optional[torch.Tensor] = None, *,
                    shift_labels: Optional[torch.Tensor] = None,
                    num_items_in_batch: Optional[Union[int, torch.Tensor]] = None, chunk_size: int = 4096,
-                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                   ignore_index: int = IGNORE_INDEX, logit_softcap: Optional[float] = None) -> torch.Tensor:
     """The causal-LM loss of transformers' ``ForCausalLM`` models, chunked.
 
     ``hidden`` ``[B, S, H]`` is the decoder's output (after the final norm); ``lm_head`` a
     ``Linear`` (``weight`` ``[V, H]``). Give ``labels`` ``[B, S]`` (shifted here: position ``t``
     predicts ``labels[t + 1]``) or already-shifted ``shift_labels`` (e.g. from
     :func:`flashmask.distributed.shard_packed_batch`). The mean runs over targets != -100, or the
-    sum is divided by ``num_items_in_batch`` when given (as transformers does).
+    sum is divided by ``num_items_in_batch`` when given (as transformers does). ``logit_softcap``:
+    the model's final logit soft-capping (:func:`final_logit_softcap` of the model), as
+    :func:`linear_cross_entropy`.
 
     Example::
 
@@ -166,19 +192,26 @@ def causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: Optio
         raise ValueError(f"labels {tuple(shift_labels.shape)} do not match the hidden states {tuple(hidden.shape)}")
     return linear_cross_entropy(hidden, lm_head.weight, shift_labels.to(hidden.device),
                                 getattr(lm_head, "bias", None), chunk_size=chunk_size, ignore_index=ignore_index,
-                                normalizer=num_items_in_batch)
+                                normalizer=num_items_in_batch, logit_softcap=logit_softcap)
+
+
+def final_logit_softcap(model: torch.nn.Module) -> Optional[float]:
+    """The final logit soft-capping of a transformers causal LM (``config.final_logit_softcapping``:
+    Gemma 2, and Gemma 3 where set), or None: what the chunked losses must apply to equal the model's
+    own logits."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
 
 class _LinearTokenLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, ignore_index: int):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, ignore_index: int, cap: float):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         n = hidden.shape[0]
         out = torch.zeros(n, dtype=acc, device=hidden.device)
         lse_all = torch.empty(n, dtype=acc, device=hidden.device)
         for i in range(0, n, chunk_size):
             yc = targets[i:i + chunk_size]
-            logits = torch.nn.functional.linear(hidden[i:i + chunk_size], weight, bias).to(acc)
+            logits, _ = _capped(torch.nn.functional.linear(hidden[i:i + chunk_size], weight, bias).to(acc), cap, False)
             valid = yc != ignore_index
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, torch.where(valid, yc, 0).unsqueeze(1)).squeeze(1)
@@ -186,7 +219,7 @@ class _LinearTokenLogps(torch.autograd.Function):
             lse_all[i:i + chunk_size] = lse
             del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        ctx.chunk_size, ctx.ignore_index, ctx.cap = chunk_size, ignore_index, cap
         return out
 
     @staticmethod
@@ -201,19 +234,23 @@ class _LinearTokenLogps(torch.autograd.Function):
             valid = yc != ctx.ignore_index
             gc = torch.where(valid, grad[i:i + c].to(acc), 0.0)
             # d logp[y] / d logits = one_hot(y) - softmax; times the incoming gradient, in place
-            d = torch.nn.functional.linear(hc, weight, bias).to(acc).sub_(lse_all[i:i + c].unsqueeze(1)).exp_()
+            logits, dcap = _capped(torch.nn.functional.linear(hc, weight, bias).to(acc), ctx.cap, True)
+            d = logits.sub_(lse_all[i:i + c].unsqueeze(1)).exp_()
             d.scatter_add_(1, torch.where(valid, yc, 0).unsqueeze(1), torch.full_like(gc, -1.0).unsqueeze(1))
             d.mul_(-gc.unsqueeze(1))
+            if dcap is not None:
+                d.mul_(dcap)
             grads.add(slice(i, i + c), d, hc, weight)
         dw, db = grads.dw, grads.db
         return (grads.dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def linear_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                        bias: Optional[torch.Tensor] = None, *, chunk_size: int = 4096,
-                       ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Per-token ``log_softmax(hidden @ weight.T + bias)[target]`` without materialising the logits.
+                       ignore_index: int = IGNORE_INDEX, logit_softcap: Optional[float] = None) -> torch.Tensor:
+    """Per-token ``log_softmax(hidden @ weight.T + bias)[target]`` without materialising the logits
+    (with ``logit_softcap``, of the capped logits, as :func:`linear_cross_entropy`).
 
     For DPO and reward models, which need the log-probability of every response token rather
     than one mean. ``hidden`` ``[..., H]``, ``targets`` ``[...]`` (``ignore_index`` gives 0).
@@ -239,6 +276,7 @@ def linear_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         raise ValueError(f"targets {tuple(targets.shape)} do not match the hidden states {tuple(hidden.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    cap = _check_softcap(logit_softcap)
     out = _LinearTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(),
-                                  int(chunk_size), int(ignore_index))
+                                  int(chunk_size), int(ignore_index), cap)
     return out.view(targets.shape)

@@ -21,13 +21,13 @@ def response_logps(self, inputs: Dict[str, torch.Tensor], targets: torch.Tensor,
     rejected (last N) response tokens. The decoder once, the LM head only at the ``valid [2, B, L]`` tokens
     (targets ``[2, B, L]``, triple ``pair [B, L]``), in chunks. Installed on the policy and the
     reference as an FSDP2 forward method (:func:`flashmask.distributed.fsdp.install_forward_method`)."""
-    from flashmask.losses import linear_token_logps
+    from flashmask.losses import final_logit_softcap, linear_token_logps
 
     hidden = self.get_decoder()(**inputs, use_cache=False).last_hidden_state
     head = self.get_output_embeddings()
     h = torch.cat([hidden[valid[0]], hidden[valid[1]]])
     lp = linear_token_logps(h, head.weight, torch.cat([targets[0][valid[0]], targets[1][valid[1]]]),
-                            getattr(head, "bias", None), chunk_size=chunk_size)
+                            getattr(head, "bias", None), chunk_size=chunk_size, logit_softcap=final_logit_softcap(self))
     idx = torch.cat([pair[valid[0]], pair[valid[1]] + num_pairs])
     return lp.new_zeros(2 * num_pairs).index_add(0, idx, lp)  # flat: FSDP2 warns about returned views
 

@@ -1,7 +1,8 @@
 """The models of the examples: a randomly initialised Llama, Qwen2, Gemma 3 or DeepSeek-V3 preset
-with the byte-level tokenizer (nothing downloaded), or a local Hugging Face causal LM directory;
-then activation checkpointing, chunked MLPs and, with several processes, the context-parallel
-backend and FSDP2."""
+with the byte-level tokenizer (nothing downloaded), or a local Hugging Face causal LM directory (any
+family the flashmask backend runs: Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, GPT-OSS, DeepSeek-V3,
+...; see the README's table); then activation checkpointing, chunked MLPs and, with several
+processes, the context-parallel backend and FSDP2."""
 from __future__ import annotations
 
 import os
@@ -193,9 +194,26 @@ def prepare_model(model, args, par: Parallel, *, train: bool = True):
     return model
 
 
-def backend_note(device: torch.device, dtype: torch.dtype) -> str:
+def attention_options(model) -> list:
+    """The attention options of ``model`` that the CUDA kernels do not take yet: ``"softcap"`` (Gemma 2's
+    ``attn_logit_softcapping``) and ``"sinks"`` (GPT-OSS's per-head sinks)."""
+    from flashmask import _cuda
+
+    cfg = getattr(model, "config", None)
+    found = []
+    if getattr(cfg, "attn_logit_softcapping", None):
+        found.append("softcap")
+    if any(n.endswith("self_attn.sinks") for n, _ in model.named_parameters()):
+        found.append("sinks")
+    return [o for o in found if o not in _cuda.KERNEL_OPTIONS]
+
+
+def backend_note(device: torch.device, dtype: torch.dtype, model=None) -> str:
     import flashmask
 
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashmask.cuda.available():
+        options = attention_options(model) if model is not None else []
+        if options:
+            return f"flashmask reference path: the CUDA kernels do not take {' and '.join(options)} yet"
         return "flashmask CUDA kernels"
     return "flashmask reference path (pure PyTorch)"

@@ -24,14 +24,15 @@ _ARCHS = dict(getattr(_cuda, "ARCHS", {"cuda": 0}))
 _warned: set = set()
 
 
-def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> Optional[int]:
+def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, softcap: float = 0.0,
+                sinks: Optional[torch.Tensor] = None) -> Optional[int]:
     """The kernel family to run these inputs on (0 = the default one), or None for the reference
     path: the same rule as ``flashmask_attention``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return None
-    reason = _checks.kernel_unsupported_reason(q, k, v)
+    reason = _checks.kernel_options_reason(softcap, sinks) or _checks.kernel_unsupported_reason(q, k, v)
     if reason is None and not _cuda.available():
         reason = _cuda.unavailable_reason()
     if reason is None:
@@ -47,27 +48,44 @@ def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str)
     return _ARCHS.get(backend, 0)
 
 
-def fwd(q, k, v, mask: Optional[torch.Tensor], scale: float, arch: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+def fwd(q, k, v, mask: Optional[torch.Tensor], scale: float, arch: Optional[int], softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of a block of rows: ``(out [B, n, Hq, Dv], lse [B, Hq, n])``; ``arch``
-    from :func:`use_kernels` (None: the reference path)."""
+    from :func:`use_kernels` (None: the reference path); ``softcap`` and ``sinks`` (``[Hq]`` of these
+    query heads) as :func:`flashmask.flashmask_attention`."""
+    options = softcap != 0.0 or sinks is not None
     with torch.no_grad():
         if arch is not None:
             extra = (0, arch) if arch else ()  # (num_splits, arch) where a family is forced
+            if options:
+                extra = (0, arch, softcap, sinks)
             return _cuda.fwd(q, k, v, mask, False, scale, False, *extra)
+        if options:
+            return reference_attention(q, k, v, mask, causal=False, softmax_scale=scale, softcap=softcap,
+                                       sinks=sinks)
         return reference_attention(q, k, v, mask, causal=False, softmax_scale=scale)
 
 
 def bwd(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], scale: float, arch: Optional[int],
-        deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the block computed by :func:`fwd`."""
+        deterministic: bool, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
+    """Gradients ``(dq, dk, dv, dsinks)`` of the block computed by :func:`fwd` (``dsinks`` float32
+    ``[Hq]`` of its heads, None without sinks)."""
     if arch is not None:
         with torch.no_grad():
             extra = (arch,) if arch else ()
-            return _cuda.bwd(dout.contiguous(), q, k, v, out, lse, None, mask, False, scale, deterministic, *extra)
+            if softcap != 0.0 or sinks is not None:
+                extra = (arch, softcap, sinks)
+            dq, dk, dv, dsinks = _cuda.bwd(dout.contiguous(), q, k, v, out, lse, None, mask, False, scale,
+                                           deterministic, *extra)
+            return dq, dk, dv, None if sinks is None else dsinks
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.enable_grad():
         # In the compute dtype, so that the partial dK/dV of a block are not rounded before the
         # float32 sum over blocks and ranks (the caller casts the results back).
-        qq, kk, vv = (t.detach().to(acc).requires_grad_() for t in (q, k, v))
-        o, _ = reference_attention(qq, kk, vv, mask, causal=False, softmax_scale=scale)
-        return torch.autograd.grad(o, (qq, kk, vv), dout)
+        leaves = [t.detach().to(acc).requires_grad_() for t in (q, k, v)]
+        if sinks is not None:
+            leaves.append(sinks.detach().to(acc).requires_grad_())
+        o, _ = reference_attention(*leaves[:3], mask, causal=False, softmax_scale=scale, softcap=softcap,
+                                   sinks=leaves[3] if sinks is not None else None)
+        grads = torch.autograd.grad(o, leaves, dout)
+        return tuple(grads) if sinks is not None else tuple(grads) + (None,)

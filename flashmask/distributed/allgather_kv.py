@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from flashmask import _checks
 from flashmask.distributed import _comm, _local
 from flashmask.distributed.plan import ContextParallelPlan
 
@@ -58,7 +59,7 @@ def _mask_heads(mask: Optional[torch.Tensor], hq: int, hk: int, g: int, groups: 
 class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: ContextParallelPlan, scale: float, arch, deterministic: bool,
-                groups: int, grad_dtype):
+                groups: int, grad_dtype, softcap: float, sinks):
         b, n, hq, d = q.shape
         hk, dv = k.shape[2], v.shape[-1]
         world, group = plan.world, plan.group
@@ -85,25 +86,30 @@ class _AllGatherKVAttention(torch.autograd.Function):
             qh = slice(g * hqg, (g + 1) * hqg)
             for (lo, hi, _, _), mask in zip(plan.chunks, plan.chunk_masks):
                 m = _mask_heads(mask, hq, hk, g, groups)
-                o, chunk_lse = _local.fwd(q[:, lo:hi, qh], kg, vg, m, scale, arch)
+                o, chunk_lse = _local.fwd(q[:, lo:hi, qh], kg, vg, m, scale, arch, softcap,
+                                          None if sinks is None else sinks[qh])
                 if lse is None:
                     lse = torch.empty(b, hq, n, dtype=chunk_lse.dtype, device=q.device)
                 out[:, lo:hi, qh] = o
                 lse[:, qh, lo:hi] = chunk_lse
-        ctx.save_for_backward(q, out, lse, *gathered)
+        ctx.save_for_backward(q, out, lse, sinks, *gathered)
         ctx.plan, ctx.scale, ctx.arch, ctx.deterministic = plan, scale, arch, deterministic
+        ctx.softcap = softcap
         ctx.groups, ctx.grad_dtype, ctx.kv_dtype = groups, grad_dtype, k.dtype
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse, *gathered = ctx.saved_tensors
+        q, out, lse, sinks, *gathered = ctx.saved_tensors
         plan, groups = ctx.plan, ctx.groups
         b, n, hq, d = q.shape
         hk = gathered[0].shape[2] * groups
         hkg, hqg = hk // groups, hq // groups
         dq = torch.empty_like(q)
+        # this rank's rows' share of the sinks' gradient (the ranks' shares sum to the whole, as for any parameter)
+        sink_acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dsinks = None if sinks is None else torch.zeros(hq, dtype=sink_acc, device=q.device)
         acc_dtype = ctx.kv_dtype if ctx.grad_dtype is None else torch.promote_types(ctx.kv_dtype, ctx.grad_dtype)
         pending = []
         for g in range(groups):
@@ -114,10 +120,13 @@ class _AllGatherKVAttention(torch.autograd.Function):
             acc_v = torch.zeros(vb.shape, dtype=acc_dtype, device=vb.device)
             for (lo, hi, _, _), mask in zip(plan.chunks, plan.chunk_masks):
                 m = _mask_heads(mask, hq, hk, g, groups)
-                dqc, dkc, dvc = _local.bwd(dout[:, lo:hi, qh].contiguous(), q[:, lo:hi, qh], kg, vg,
-                                           out[:, lo:hi, qh].contiguous(), lse[:, qh, lo:hi].contiguous(), m,
-                                           ctx.scale, ctx.arch, ctx.deterministic)
+                dqc, dkc, dvc, dsc = _local.bwd(dout[:, lo:hi, qh].contiguous(), q[:, lo:hi, qh], kg, vg,
+                                                out[:, lo:hi, qh].contiguous(), lse[:, qh, lo:hi].contiguous(), m,
+                                                ctx.scale, ctx.arch, ctx.deterministic, ctx.softcap,
+                                                None if sinks is None else sinks[qh])
                 dq[:, lo:hi, qh] = dqc
+                if dsinks is not None:
+                    dsinks[qh] += dsc.to(sink_acc)
                 acc_k += dkc.transpose(0, 1)
                 acc_v += dvc.transpose(0, 1)
             rk = acc_k.new_empty((n,) + tuple(acc_k.shape[1:]))
@@ -132,13 +141,13 @@ class _AllGatherKVAttention(torch.autograd.Function):
             heads = slice(g * hkg, (g + 1) * hkg)
             dk[:, :, heads] = rk.transpose(0, 1)
             dv[:, :, heads] = rv.transpose(0, 1)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks.to(sinks.dtype)
 
 
 def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ContextParallelPlan, *,
                            softmax_scale: Optional[float] = None, backend: str = "auto", deterministic: bool = False,
                            head_groups: int = 2, grad_dtype: Optional[torch.dtype] = torch.float32,
-                           return_lse: bool = False):
+                           return_lse: bool = False, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
     """Exact attention of this rank's query chunks against all keys, K/V all-gathered.
 
     Args:
@@ -151,6 +160,9 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         head_groups: KV-head groups pipelined against the collectives (clipped to a divisor of Hk).
         grad_dtype: dtype of the dK/dV accumulation and reduce-scatter (``None``: the inputs').
         return_lse: also return the LSE ``[B, Hq, L]`` (not differentiable).
+        softcap, sinks: as :func:`flashmask.flashmask_attention` (every rank holds all heads of its
+            queries, so ``sinks`` is the whole ``[Hq]``); this rank's gradient of ``sinks`` is its
+            rows' share, to be summed over the group like any parameter's.
 
     Returns:
         ``out [B, L, Hq, Dv]`` (this rank's rows of the single-process result, in its local order),
@@ -186,7 +198,10 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         if mask.shape[1] not in (1, hk, hq):
             raise ValueError(f"the plan's mask has {mask.shape[1]} heads; it must be 1, Hk={hk} or Hq={hq}")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    arch = _local.use_kernels(q, k, v, backend)  # None: the reference path
+    softcap = _checks.softcap_value(softcap)
+    _checks.check_sinks(sinks, q)
+    arch = _local.use_kernels(q, k, v, backend, softcap, sinks)  # None: the reference path
     groups = _head_groups(hk, head_groups)
-    out, lse = _AllGatherKVAttention.apply(q, k, v, plan, scale, arch, bool(deterministic), groups, grad_dtype)
+    out, lse = _AllGatherKVAttention.apply(q, k, v, plan, scale, arch, bool(deterministic), groups, grad_dtype,
+                                           softcap, sinks)
     return (out, lse) if return_lse else out

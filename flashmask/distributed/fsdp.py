@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from flashmask.losses import causal_lm_loss
+from flashmask.losses import causal_lm_loss, final_logit_softcap
 
 __all__ = ["init_mesh", "cp_group", "dp_group", "fsdp_mesh", "apply_fsdp2", "lm_loss", "reduce_loss",
            "decoder_layers", "sum_gradients", "install_forward_method"]
@@ -137,7 +137,8 @@ def _install_loss_method(model: torch.nn.Module) -> None:
         dec = self.get_decoder() if hasattr(self, "get_decoder") else self.model
         hidden = dec(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return causal_lm_loss(hidden, self.get_output_embeddings(), shift_labels=shift_labels,
-                              num_items_in_batch=num_items_in_batch, chunk_size=chunk_size)
+                              num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
+                              logit_softcap=final_logit_softcap(self))
 
     install_forward_method(model, _LOSS_METHOD, method)
     model._flashmask_loss_installed = True

@@ -20,8 +20,9 @@ The plan (mask, causal flag, process group, chunk layout) is read from :func:`se
 (``position_ids``, ``attn_mask_startend_row_indices``, ``cu_seq_lens_*``) are ignored, since they
 describe the local shard, not the sequence. The mask function registered for the name is the
 flashmask backend's (:func:`flashmask.integrations.transformers.padding_mask_function`): no dense
-mask is built. Not supported (raises): padding masks, KV caches, sliding windows, dropout,
-soft-capping, attention sinks.
+mask is built. Logit soft-capping (``softcap``, Gemma 2) and attention sinks (``s_aux``, GPT-OSS) are
+passed through. Not supported (raises): padding masks, KV caches, sliding windows shorter than the
+row, dropout.
 
 The name contains none of "flash", "sdpa", "flex_attention" (transformers 5.x reserves them).
 """
@@ -88,7 +89,7 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                            "context_parallel(plan):` or call set_plan(plan) first")
     if dropout:
         raise _unsupported(f"attention dropout (got {dropout})")
-    for name in ("softcap", "s_aux", "sinks", "head_mask", "position_bias", "cache"):
+    for name in ("head_mask", "position_bias", "cache"):
         if kwargs.get(name) is not None:
             raise _unsupported(name)
     sw = kwargs.get("sliding_window")
@@ -105,9 +106,10 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if query.shape[2] != plan.local_len or key.shape[2] != plan.local_len:
         raise ValueError(f"the layer got {query.shape[2]} queries and {key.shape[2]} keys but the plan gives "
                          f"{plan.local_len} tokens per rank (a KV cache, or a batch not sharded with this plan?)")
+    softcap, sinks = fm_hf.softcap_and_sinks(kwargs)
     out = context_parallel_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan,
                                      softmax_scale=scaling, backend=_state["backend"],
-                                     head_groups=_state["head_groups"])
+                                     head_groups=_state["head_groups"], softcap=softcap, sinks=sinks)
     return out, None
 
 

@@ -49,21 +49,25 @@ __all__ = ["context_parallel_attention", "shard_packed_batch", "pad_packed_batch
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ContextParallelPlan, *,
                                softmax_scale: Optional[float] = None, backend: str = "auto",
-                               deterministic: bool = False, head_groups: int = 2) -> torch.Tensor:
+                               deterministic: bool = False, head_groups: int = 2, softcap: float = 0.0,
+                               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's rows of the single-process attention, for either mode of ``plan``.
 
     q ``[B, L, Hq, Dqk]``, k ``[B, L, Hk, Dqk]``, v ``[B, L, Hk, Dv]``: this rank's ``L = S / P``
     tokens in the plan's local order. Returns ``[B, L, Hq, Dv]``, differentiable in q, k, v. ``head_groups`` is used by
-    all-gather-KV only (see :func:`allgather_kv_attention`).
+    all-gather-KV only (see :func:`allgather_kv_attention`). ``softcap`` and ``sinks`` (``[Hq]``, all
+    query heads) as :func:`flashmask.flashmask_attention`; this rank's gradient of ``sinks`` is its
+    share, summed over the group like any parameter's (FSDP2 does).
     """
     if plan.startend_row_indices is not None:
         check_mask_tensor(plan.startend_row_indices, batch_size=q.shape[0], name="the plan's startend_row_indices")
     plan.to(q.device)  # the masks follow the activations (a no-op after the first layer)
     if plan.mode == "ulysses":
         return ulysses_attention(q, k, v, plan.startend_row_indices, causal=plan.causal, group=plan.group,
-                                 softmax_scale=softmax_scale, backend=backend, deterministic=deterministic)
+                                 softmax_scale=softmax_scale, backend=backend, deterministic=deterministic,
+                                 softcap=softcap, sinks=sinks)
     return allgather_kv_attention(q, k, v, plan, softmax_scale=softmax_scale, backend=backend,
-                                  deterministic=deterministic, head_groups=head_groups)
+                                  deterministic=deterministic, head_groups=head_groups, softcap=softcap, sinks=sinks)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

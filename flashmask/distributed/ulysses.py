@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from flashmask import _checks
 from flashmask.attention import flashmask_attention
 from flashmask.distributed import _comm
 
@@ -111,7 +112,8 @@ def _mask_for_rank(mask: Optional[torch.Tensor], hq: int, hk: int, r: int, world
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       startend_row_indices: Optional[torch.Tensor] = None, *, causal: bool = False,
                       group=None, softmax_scale: Optional[float] = None, backend: str = "auto",
-                      deterministic: bool = False) -> torch.Tensor:
+                      deterministic: bool = False, softcap: float = 0.0,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact attention over a sequence split in ``P`` equal contiguous parts, one per rank.
 
     Args:
@@ -121,6 +123,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         startend_row_indices: the **global** mask ``[B, Hm, S, C]`` (same on every rank), or None.
         causal, softmax_scale, backend, deterministic: as :func:`flashmask.flashmask_attention`.
         group: the context-parallel process group (``None``: the default group).
+        softcap: as :func:`flashmask.flashmask_attention`.
+        sinks: ``[Hq]``, all query heads (as :func:`flashmask.flashmask_attention`); each rank uses
+            those of its heads, so its gradient of ``sinks`` is nonzero on them only: sum it over the
+            group like any parameter's.
 
     Returns:
         ``[B, S/P, Hq, Dv]``: this rank's rows of the single-process result. Differentiable in
@@ -142,10 +148,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if startend_row_indices is not None and startend_row_indices.shape[2] != s:
         raise ValueError(f"the mask has Sk={startend_row_indices.shape[2]} columns but the {world} ranks hold "
                          f"{world} x {n} = {s} tokens (every rank must hold S / P tokens)")
+    softcap = _checks.softcap_value(softcap)  # (checked before any collective, on every rank)
+    _checks.check_sinks(sinks, q)
     mask = _mask_for_rank(startend_row_indices, hq, hk, r, world, rank)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     qf, kf, vf = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    per = hq // world  # the all-to-all gives rank p the query heads [p * per, (p + 1) * per)
+    local_sinks = None if sinks is None else sinks[rank * per:(rank + 1) * per]
     out = flashmask_attention(qf, kf, vf, mask, causal=causal, softmax_scale=softmax_scale, backend=backend,
-                              deterministic=deterministic)
+                              deterministic=deterministic, softcap=softcap, sinks=local_sinks)
     return _HeadsToSeq.apply(out, group)

@@ -52,10 +52,16 @@ Models whose value head dim differs from the query/key one (multi-head latent at
 DeepSeek-V2/V3 with 192 and 128, and others) run as they are: the value reaches the kernels
 without padding and the output has the value's head dim.
 
+Attention logit soft-capping (the ``softcap`` argument: Gemma 2's ``attn_logit_softcapping``) and
+attention sinks (the ``s_aux`` argument: GPT-OSS's per-head ``sinks`` parameter, learnable) reach
+:func:`flashmask.flashmask_attention` as its ``softcap`` and ``sinks``, with the numerics of the
+models' eager attention: the cap on the scaled scores before the mask, the sink as one more logit
+of each row's softmax that carries no value. The CUDA kernels do not take either yet: those
+layers run on the reference path (with a one-time warning on a GPU).
+
 What is not supported raises ``NotImplementedError`` instead of computing something else:
-attention logit soft-capping (``softcap``, Gemma 2), attention dropout > 0 in training, attention
-sinks (``s_aux``), head masks, relative position biases, paged caches, chunked attention
-(Llama 4), extra mask functions composed by the model (e.g. Gemma 3 image tokens on
+attention dropout > 0 in training, head masks, relative position biases, paged caches, chunked
+attention (Llama 4), extra mask functions composed by the model (e.g. Gemma 3 image tokens on
 transformers 5.x), non-causal sliding windows and static KV caches. ``output_attentions`` gives
 ``None`` weights (as with ``sdpa``).
 """
@@ -95,7 +101,7 @@ MASK_KWARG = "attn_mask_startend_row_indices"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex_attention")
 
 __all__ = ["ATTN_IMPLEMENTATION", "MASK_KWARG", "register", "use_flashmask", "flashmask_attention_forward",
-           "padding_mask_function"]
+           "padding_mask_function", "softcap_and_sinks"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,7 +263,8 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         scaling: softmax scale (default ``Dqk ** -0.5``).
         dropout: must be 0.
         **kwargs: ``attn_mask_startend_row_indices``, ``cu_seq_lens_q``/``cu_seq_lens_k``,
-            ``position_ids``, ``sliding_window``, ``is_causal``; see the module docstring.
+            ``position_ids``, ``sliding_window``, ``is_causal``, ``softcap`` (Gemma 2), ``s_aux``
+            (attention sinks ``[Hq]``, GPT-OSS); see the module docstring.
 
     Returns:
         ``(attn_output [B, Sq, Hq, Dv], None)``.
@@ -290,9 +297,20 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             if explicit is not None and kwargs.get("position_ids") is not None and sq == sk:
                 _check_window_positions(startend, kwargs["position_ids"], sliding_window, explicit)
 
+    softcap, sinks = softcap_and_sinks(kwargs)
     out = flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), startend,
-                              causal=causal, softmax_scale=scaling, window_size=window)
+                              causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap, sinks=sinks)
     return out, None
+
+
+def softcap_and_sinks(kwargs: dict) -> Tuple[float, Optional[torch.Tensor]]:
+    """``(softcap, sinks)`` for :func:`flashmask.flashmask_attention` from the keyword arguments a
+    transformers attention module passes: ``softcap`` (None: off) and ``s_aux`` (or ``sinks``)."""
+    softcap = kwargs.get("softcap")
+    sinks, s_aux = kwargs.get("sinks"), kwargs.get("s_aux")
+    if sinks is not None and s_aux is not None:
+        raise ValueError("got both s_aux and sinks (the attention sinks); pass one")
+    return (0.0 if softcap is None else softcap), (s_aux if sinks is None else sinks)
 
 
 _window_check_cache: list = []
@@ -344,12 +362,8 @@ def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, 
 
 
 def _reject_unsupported(kwargs: dict, dropout: float) -> None:
-    if kwargs.get("softcap") is not None:
-        raise _unsupported("attention logit soft-capping (softcap)")
     if dropout:
         raise _unsupported(f"attention dropout (got dropout={dropout}; set config.attention_dropout=0.0)")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise _unsupported("attention sinks (s_aux)")
     if kwargs.get("head_mask") is not None:
         raise _unsupported("head_mask")
     if kwargs.get("position_bias") is not None:

@@ -225,3 +225,28 @@ def test_errors():
     chunk_mlp(holder, 2)
     with pytest.raises(TypeError, match="one tensor"):
         holder.mlp(torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_chunked_mixture_of_experts_equals_plain(family):
+    """Mixture-of-experts blocks route per token: in chunks (GPT-OSS's gets [1, c, H] and returns its
+    router scores too) the logits and every gradient are those of the whole call."""
+    from tests import model_zoo
+
+    if not model_zoo.has_family(transformers, family):
+        pytest.skip(f"this transformers has no {family}")
+    ref = model_zoo.make_model(transformers, family, fm_hf.ATTN_IMPLEMENTATION)
+    model = chunk_mlp(copy.deepcopy(ref), 5)
+    ids = torch.randint(0, model_zoo.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    tokens = []  # per call of a router: the tokens it routes
+    for name, m in model.named_modules():
+        if name.endswith((".mlp.router", ".mlp.gate")):
+            m.register_forward_pre_hook(lambda mod, args: tokens.append(args[0].numel() // args[0].shape[-1]))
+    out = [m(input_ids=ids, labels=ids, use_cache=False) for m in (ref, model)]
+    for o in out:
+        o.loss.backward()
+    assert tokens and max(tokens) == 5, tokens  # chunks of the 18 tokens (and their recomputation)
+    torch.testing.assert_close(out[1].logits, out[0].logits, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")

@@ -206,6 +206,26 @@ def test_single_process_plans_with_a_value_head_dim():
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{mode} d{name}: {m}")
 
 
+@pytest.mark.parametrize("softcap,use_sinks", [(2.0, False), (0.0, True), (1.5, True)])
+def test_single_process_plans_with_softcap_and_sinks(softcap, use_sinks):
+    torch.manual_seed(2)
+    mask, causal = example("share_question", 64)
+    q, k, v = (torch.randn(1, 64, h, d, dtype=torch.float64, requires_grad=True) for h, d in ((4, 8), (2, 8), (2, 4)))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True) if use_sinks else None
+    leaves = (q, k, v) + ((sinks,) if use_sinks else ())
+    want = flashmask_attention(q, k, v, mask, causal=causal, softcap=softcap, sinks=sinks)
+    dout = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    for mode in fmd.MODES:
+        plan = fmd.make_plan(mask, causal, mode=mode, align=8)
+        got = fmd.context_parallel_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan, softcap=softcap,
+                                             sinks=sinks)
+        torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(got, leaves, plan.shard(dout))
+        for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{mode} {name}: {m}")
+
+
 def test_shift_labels_and_padding():
     ids = torch.arange(10).view(1, 10)
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
@@ -293,6 +313,14 @@ def _case_list(world):
                                                                    hq=4, hk=2, hm="hq", b=2, dv=12)))
         cases.append((f"{mode}-dv4-bf16-share_question", dict(mode=mode, family="share_question", hq=4, hk=1, hm=1,
                                                               b=1, dtype="bfloat16", dv=4)))
+        # logit soft-capping and attention sinks (the sinks' gradient summed over the ranks)
+        cases.append((f"{mode}-softcap-causal_document", dict(mode=mode, family="causal_document", hq=4, hk=2, hm=1,
+                                                              b=1, softcap=2.0)))
+        cases.append((f"{mode}-sinks-random-causal1-C2-hm_hq", dict(mode=mode, family="random", causal=True, c=2,
+                                                                    hq=4, hk=2, hm="hq", b=2, sinks=True)))
+        cases.append((f"{mode}-softcap-sinks-dv4-share_question", dict(mode=mode, family="share_question", hq=4,
+                                                                       hk=1, hm=1, b=1, dv=4, softcap=1.5,
+                                                                       sinks=True)))
     if world == 2:
         # Ulysses repeating 3 KV heads (and their mask heads) to 6 for 2 ranks
         cases.append(("ulysses-gqa-replicate-hm_hk", dict(mode="ulysses", family="random", causal=True, c=2, hq=6,
@@ -331,6 +359,14 @@ def _errors_case(world):
         raise AssertionError("k and v with different heads must raise")
     except ValueError as e:
         assert "k, v with the same heads" in str(e), e
+    for sinks, softcap, match in ((torch.zeros(2), 0.0, "sinks must have shape [Hq] = [4]"),
+                                  (None, -1.0, "softcap must be a finite float >= 0")):
+        try:
+            fmd.ulysses_attention(torch.randn(1, 16, 4, 8), torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8), None,
+                                  sinks=sinks, softcap=softcap)
+            raise AssertionError(f"Ulysses must raise: {match}")
+        except ValueError as e:
+            assert match in str(e), e
     plan = fmd.make_plan(None, True, 64, mode="allgather_kv", align=8)
     try:
         n = 64 // world + 8
@@ -375,21 +411,26 @@ def _inputs(spec, s, seed):
     mk = lambda h, d=d: torch.randn(b, s, h, d, generator=g, dtype=torch.float64).to(dtype)
     dv = spec.get("dv", d)
     q, k, v, w = mk(hq), mk(hk), mk(hk, dv), mk(hq, dv)
-    return q, k, v, w, mask, causal
+    sinks = torch.randn(hq, generator=g, dtype=torch.float64).to(dtype) if spec.get("sinks") else None
+    return q, k, v, w, mask, causal, sinks
 
 
 def _run_case(spec, world, rank, seed):
     s = 64
-    q, k, v, w, mask, causal = _inputs(spec, s, seed)
+    q, k, v, w, mask, causal, sinks = _inputs(spec, s, seed)
+    softcap = spec.get("softcap", 0.0)
     # one process, whole sequence
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = flashmask_attention(qr, kr, vr, mask, causal=causal, backend="reference")
+    sr = None if sinks is None else sinks.clone().requires_grad_()
+    ref = flashmask_attention(qr, kr, vr, mask, causal=causal, backend="reference", softcap=softcap, sinks=sr)
     (ref.double() * w.double()).sum().backward()
     # context parallel
     plan = fmd.make_plan(mask, causal, s, mode=spec["mode"], num_chunks=spec.get("num_chunks"), align=8,
                          strategy=spec.get("strategy", "greedy"))
     ql, kl, vl = (plan.shard(t).clone().requires_grad_() for t in (q, k, v))
-    out = fmd.context_parallel_attention(ql, kl, vl, plan, backend="reference", head_groups=spec.get("head_groups", 2))
+    sl = None if sinks is None else sinks.clone().requires_grad_()
+    out = fmd.context_parallel_attention(ql, kl, vl, plan, backend="reference", head_groups=spec.get("head_groups", 2),
+                                         softcap=softcap, sinks=sl)
     (out.double() * plan.shard(w).double()).sum().backward()
     if q.dtype == torch.float64:
         tol = dict(rtol=1e-10, atol=1e-10)
@@ -401,6 +442,11 @@ def _run_case(spec, world, rank, seed):
     for name, got, want in (("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad), ("dv", vl.grad, vr.grad)):
         assert got is not None, name
         torch.testing.assert_close(got, plan.shard(want), **tol, msg=lambda m: f"{name}: {m}")
+    if sinks is not None:  # every rank holds its share of the sinks' gradient: they sum to one process's
+        assert sl.grad is not None and sl.grad.dtype == sinks.dtype
+        total = sl.grad.clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, sr.grad, **tol, msg=lambda m: f"dsinks: {m}")
     # the plan's unshard puts the rows back in global order
     torch.testing.assert_close(plan.unshard(out.detach()), ref.detach(), **tol)
     if plan.mode == "allgather_kv":
@@ -523,9 +569,24 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     import flashmask.integrations.transformers as fm_hf
     from flashmask.checkpointing import chunk_mlp, enable_activation_checkpointing
     from flashmask.distributed import fsdp as fm_fsdp
-    from flashmask.losses import causal_lm_loss
+    from flashmask.losses import causal_lm_loss, final_logit_softcap
 
-    if kind == "deepseek_v3":  # multi-head latent attention: q/k head dim 12 + 4, v head dim 8; dense MLPs
+    # (Gemma 2 and GPT-OSS: windows longer than the row, so that the sliding layers run under CP too)
+    if kind == "gemma2":  # logit soft-capping in attention and on the final logits
+        cfg = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
+                                        max_position_embeddings=128,
+                                        attention_dropout=0.0, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                        sliding_window=128, initializer_range=0.2, tie_word_embeddings=True)
+        cls = transformers.Gemma2ForCausalLM
+    elif kind == "gpt_oss":  # attention sinks (learned), a mixture of 4 experts
+        cfg = transformers.GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=64, max_position_embeddings=128,
+                                        sliding_window=128, attention_dropout=0.0, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = transformers.GptOssForCausalLM
+    elif kind == "deepseek_v3":  # multi-head latent attention: q/k head dim 12 + 4, v head dim 8; dense MLPs
         cfg = transformers.DeepseekV3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,
                                             kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=12,
@@ -539,9 +600,20 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
                                        attention_dropout=0.0, tie_word_embeddings=True)
         cls = transformers.LlamaForCausalLM
 
+    # float64 and a tolerance of its rounding, except where the model computes in float32 itself:
+    # GPT-OSS's experts (grouped_mm takes no float64) and Gemma 2's norms (float32 inside, so the sums
+    # of their weights' gradients over tokens in another order differ at float32's rounding)
+    dtype = torch.float32 if kind == "gpt_oss" else torch.float64
+    loss_tol = dict(rtol=1e-5, atol=1e-6) if kind == "gpt_oss" else dict(rtol=1e-10, atol=1e-10)
+    grad_tol = dict(rtol=1e-4, atol=1e-6) if kind in ("gpt_oss", "gemma2") else dict(rtol=1e-8, atol=1e-10)
+
     def build():
         torch.manual_seed(0)
-        m = cls._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).double()
+        m = cls._from_config(cfg, attn_implementation=fm_hf.ATTN_IMPLEMENTATION).to(dtype)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if n.endswith("self_attn.sinks"):
+                    p.normal_()  # a visible share of every row
         return m.train()
 
     g = torch.Generator().manual_seed(5)
@@ -553,9 +625,9 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
 
     ref = build()
     hidden = ref.model(input_ids=ids, position_ids=pos).last_hidden_state
-    ref_loss = causal_lm_loss(hidden, ref.lm_head, labels, chunk_size=7)
+    ref_loss = causal_lm_loss(hidden, ref.lm_head, labels, chunk_size=7, logit_softcap=final_logit_softcap(ref))
     hf_loss = ref(input_ids=ids, position_ids=pos, labels=labels).loss  # transformers upcasts to float32
-    torch.testing.assert_close(ref_loss, hf_loss.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref_loss, hf_loss.to(dtype), rtol=1e-6, atol=1e-6)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
@@ -580,10 +652,12 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     if not fsdp:  # a replicated model: the ranks' partial gradients are summed by hand
         fm_fsdp.sum_gradients(model, fm_fsdp.cp_group(mesh))
     total = fm_fsdp.reduce_loss(loss, mesh)
-    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(total, ref_loss.detach(), **loss_tol)
     for n, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(grad, ref_grads[n], rtol=1e-8, atol=1e-10, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(grad, ref_grads[n], **grad_tol, msg=lambda m: f"{n}: {m}")
+        if n.endswith("self_attn.sinks"):
+            assert grad.abs().min() > 0, n
     if mlp_chunk:
         assert max(rows) == mlp_chunk and local["input_ids"].shape[1] % mlp_chunk, rows  # chunks of the shard
     # the backend refuses to run without a plan
@@ -669,7 +743,8 @@ def _hf_dpo_case(mode, rank):
 _HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv-offloaded-checkpoints",
              "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv",
              "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp",
-             "hf-fsdp2-deepseek_v3-allgather_kv", "hf-fsdp2-deepseek_v3-ulysses"]
+             "hf-fsdp2-deepseek_v3-allgather_kv", "hf-fsdp2-deepseek_v3-ulysses", "hf-fsdp2-gemma2-allgather_kv",
+             "hf-fsdp2-gemma2-ulysses", "hf-fsdp2-gpt_oss-allgather_kv", "hf-fsdp2-gpt_oss-ulysses"]
 
 
 def _hf_worker(rank, world, init_file, outdir, names):
@@ -680,7 +755,7 @@ def _hf_worker(rank, world, init_file, outdir, names):
         else:
             _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
                      mlp_chunk=7 if "chunked-mlp" in name else 0,
-                     kind="deepseek_v3" if "deepseek_v3" in name else "llama")
+                     kind=next((k for k in ("deepseek_v3", "gemma2", "gpt_oss") if k in name), "llama"))
 
     _run_cases(rank, world, init_file, outdir, names, run_one)
 

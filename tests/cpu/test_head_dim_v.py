@@ -256,23 +256,25 @@ def test_fake_shapes_of_fwd_and_bwd():
         k = torch.empty(2, 11, 2, 192, dtype=torch.bfloat16)
         v = torch.empty(2, 11, 2, 128, dtype=torch.bfloat16)
         out, lse = torch.ops.flashmask.fwd(q, k, v, None, True, 0.1, False)
-        dq, dk, dv = torch.ops.flashmask.bwd(out, q, k, v, out, lse, None, None, True, 0.1, False)
+        dq, dk, dv, dsinks = torch.ops.flashmask.bwd(out, q, k, v, out, lse, None, None, True, 0.1, False)
     assert out.shape == (2, 9, 8, 128) and out.dtype == torch.bfloat16
     assert lse.shape == (2, 8, 9) and lse.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dsinks.shape == (0,)  # no sinks
 
 
 CALLS = []  # the kernel functions below that ran, in order
 
 
-def cpu_fwd(q, k, v, mask, causal, scale, deterministic=False, num_splits=0, arch=0):
+def cpu_fwd(q, k, v, mask, causal, scale, deterministic=False, num_splits=0, arch=0, softcap=0.0, sinks=None):
     """The kernels' forward computed by the reference path (no autograd)."""
+    assert not softcap and sinks is None
     CALLS.append("fwd")
     with torch.no_grad():
         return reference_attention(q, k, v, mask, causal=causal, softmax_scale=scale)
 
 
-def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=False, arch=0):
+def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=False, arch=0, softcap=0.0, sinks=None):
     """The kernels' backward written out as FlashAttention computes it, from the saved LSE (no autograd:
     compiled backward graphs run below it)."""
     CALLS.append("bwd")
@@ -289,7 +291,7 @@ def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=Fa
     dq = (ds @ kh * scale).transpose(1, 2)
     fold = lambda t: t.unflatten(1, (hk, g)).sum(2).transpose(1, 2)  # noqa: E731 - GQA: sum over the group
     dk, dv = fold(ds.transpose(-1, -2) @ qh * scale), fold(p.transpose(-1, -2) @ doh)
-    return tuple(x.to(q.dtype).contiguous() for x in (dq, dk, dv))
+    return tuple(x.to(q.dtype).contiguous() for x in (dq, dk, dv)) + (lse.new_empty(0),)
 
 
 class CpuExtension:
@@ -299,7 +301,7 @@ class CpuExtension:
         return list(cpu_fwd(q, k, v, mask, causal, scale))
 
     def bwd(self, dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic, arch):
-        return list(cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale))
+        return list(cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale)[:3])
 
 
 def _check_kernel_path(attention, seed):

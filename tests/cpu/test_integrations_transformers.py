@@ -395,13 +395,29 @@ def test_dpo_layout_longer_than_a_sliding_window_raises():
 
 # ------------------------------------------------------------------------------------------------ errors
 
-def test_softcap_raises():
-    cfg = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, attn_logit_softcapping=50.0,
-                                    sliding_window=4)
-    model = transformers.Gemma2ForCausalLM._from_config(cfg, attn_implementation=NAME).eval()
-    with pytest.raises(NotImplementedError, match="softcap"):
-        model(input_ids=torch.randint(0, VOCAB, (1, 5)))
+def test_softcap_and_sinks_reach_flashmask_attention(monkeypatch):
+    """Gemma 2's softcap and GPT-OSS's s_aux arrive as flashmask_attention's softcap and sinks (the
+    models themselves against eager: tests/cpu/test_model_zoo.py)."""
+    seen = []
+    real = fm_hf.flashmask_attention
+
+    def spy(*a, **kw):
+        seen.append((kw["softcap"], kw["sinks"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fm_hf, "flashmask_attention", spy)
+    m = torch.nn.Module()
+    q = torch.randn(1, 4, 5, 8)
+    k = v = torch.randn(1, 2, 5, 8)
+    sinks = torch.zeros(4)
+    fm_hf.flashmask_attention_forward(m, q, k, v, None, softcap=30.0)
+    fm_hf.flashmask_attention_forward(m, q, k, v, None, s_aux=sinks)
+    fm_hf.flashmask_attention_forward(m, q, k, v, None, softcap=None, s_aux=None)
+    assert seen == [(30.0, None), (0.0, sinks), (0.0, None)]
+    with pytest.raises(ValueError, match="got both s_aux and sinks"):
+        fm_hf.flashmask_attention_forward(m, q, k, v, None, s_aux=sinks, sinks=sinks)
+    with pytest.raises(ValueError, match=r"sinks must have shape \[Hq\] = \[4\]"):
+        fm_hf.flashmask_attention_forward(m, q, k, v, None, s_aux=torch.zeros(2))
 
 
 def test_dropout_in_training_raises():
@@ -418,8 +434,8 @@ def test_unsupported_arguments_raise():
     q = torch.randn(1, 4, 5, 8)
     k = v = torch.randn(1, 2, 5, 8)
     f = fm_hf.flashmask_attention_forward
-    for kw, what in [({"s_aux": torch.zeros(4)}, "sinks"), ({"head_mask": torch.ones(4)}, "head_mask"),
-                     ({"softcap": 30.0}, "softcap"), ({"sliding_window": 2, "is_causal": False}, "sliding")]:
+    for kw, what in [({"head_mask": torch.ones(4)}, "head_mask"),
+                     ({"sliding_window": 2, "is_causal": False}, "sliding")]:
         with pytest.raises(NotImplementedError, match=what):
             f(m, q, k, v, None, **kw)
     with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):

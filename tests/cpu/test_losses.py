@@ -271,3 +271,57 @@ def test_hf_model_with_offloaded_checkpoints_matches_plain(monkeypatch):
         torch.testing.assert_close(pa.grad, pc.grad, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="offload"):
         enable_activation_checkpointing(c, offload="yes")
+
+
+# ------------------------------------------------------------------------------------------------ final logit softcap
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_logit_softcap_matches_the_capped_plain_loss(chunk, bias):
+    h, w, b, y = _data(23, 12, 40, torch.float64, seed=20 + chunk + bias, bias=bias)
+    w = (w.detach() * 10).requires_grad_()  # logits of several units: a cap of 3 bends them
+    capped = lambda logits: 3.0 * torch.tanh(logits / 3.0)  # noqa: E731
+    got = linear_cross_entropy(h, w, y, b, chunk_size=chunk, logit_softcap=3.0)
+    want = F.cross_entropy(capped(F.linear(h, w, b)), y, ignore_index=-100)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (got - _plain(h, w, y, b)).abs() > 1e-2  # the cap matters here
+    params = [t for t in (h, w, b) if t is not None]
+    for a, c in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+    # the per-token log-probabilities, capped alike
+    lp = linear_token_logps(h, w, y, b, chunk_size=chunk, logit_softcap=3.0)
+    want_lp = torch.where(y != -100, torch.log_softmax(capped(F.linear(h, w, b)), -1).gather(
+        -1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    torch.testing.assert_close(lp, want_lp, rtol=1e-12, atol=1e-12)
+    g = torch.randn(23, dtype=torch.float64)
+    for a, c in zip(torch.autograd.grad((lp * g).sum(), params), torch.autograd.grad((want_lp * g).sum(), params)):
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+
+
+def test_causal_lm_loss_with_final_logit_softcap_equals_gemma2():
+    transformers = pytest.importorskip("transformers")
+    from flashmask.losses import final_logit_softcap
+
+    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    final_logit_softcapping=1.0, initializer_range=0.5,
+                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).double()
+    assert final_logit_softcap(model) == 1.0 and final_logit_softcap(torch.nn.Linear(2, 2)) is None
+    ids = torch.randint(0, 64, (2, 9))
+    want = model(input_ids=ids, labels=ids).loss
+    hidden = model.model(input_ids=ids).last_hidden_state
+    got = causal_lm_loss(hidden, model.lm_head, ids, chunk_size=5, logit_softcap=final_logit_softcap(model))
+    torch.testing.assert_close(got, want.double(), rtol=1e-6, atol=1e-6)
+    uncapped = causal_lm_loss(hidden, model.lm_head, ids, chunk_size=5)
+    assert (uncapped - want).abs() > 1e-2
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), True, "3"])
+def test_bad_logit_softcap_raises(bad):
+    h, w, _, y = _data(6, 8, 10, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="logit_softcap must be None or a finite float >= 0"):
+        linear_cross_entropy(h, w, y, logit_softcap=bad)
+    with pytest.raises(ValueError, match="logit_softcap must be None or a finite float >= 0"):
+        linear_token_logps(h, w, y, logit_softcap=bad)

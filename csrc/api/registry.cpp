@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <utility>
 
 #include "sm80/tile_config.h"
 #include "sm90/tile_config.h"
@@ -154,20 +155,25 @@ Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot
                     " fit no (head dim, value head dim) pair this build compiled (", join(pairs),
                     "); rebuild with FLASHMASK_HEAD_DIMS including a larger one");
     }
-    const int head_dim = int(it->first), head_dim_v = int(it->second);
-    auto serves = [&](const KernelSet& k) { return k.head_dim == head_dim && k.head_dim_v == head_dim_v; };
+    // The newest family that runs here and has the slot for a pair holding (d, dv), and within it the
+    // smallest such pair: on Hopper a head dim rounds up to the next SM90 one (zero padding) rather
+    // than run on the SM80 kernels at its own, which was measured slower (docs/dev/head_dims.md).
+    auto pick = [&](int family) {
+        const KernelSet* best = nullptr;
+        for (const KernelSet& k : kKernelSets) {
+            if (!has(k, slot) || d > k.head_dim || dv > k.head_dim_v || k.dtype != dtype || !runs_on(k.arch, cc))
+                continue;
+            if (family != 0 && k.arch != family) continue;
+            if (best == nullptr || k.arch > best->arch ||
+                (k.arch == best->arch &&
+                 std::make_pair(k.head_dim, k.head_dim_v) < std::make_pair(best->head_dim, best->head_dim_v)))
+                best = &k;
+        }
+        return best;
+    };
+    const KernelSet* best = pick(arch);
     // A family without a backward yet leaves the backward of a forced family to the newest that has one.
-    if (slot != Slot::fwd && arch != 0) {
-        bool any = false;
-        for (const KernelSet& k : kKernelSets) any |= k.arch == arch && has(k, slot) && serves(k);
-        if (!any) arch = 0;
-    }
-    const KernelSet* best = nullptr;
-    for (const KernelSet& k : kKernelSets) {
-        if (!has(k, slot) || !serves(k) || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
-        if (arch != 0 && k.arch != arch) continue;
-        if (best == nullptr || k.arch > best->arch) best = &k;
-    }
+    if (best == nullptr && slot != Slot::fwd && arch != 0) best = pick(0);
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),
                 "kernel compiled for ", dims_str(d, dv), " and dtype ", dtype_name(dtype),
                 " (this build: head dim pairs ", join(pairs),

@@ -50,8 +50,9 @@ std::vector<std::string> compiled_dtypes();
 std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, int64_t head_dim_v = 0);
 
 // The kernels for head dims (d, dv) of q/k and v and dtype on a device of compute capability `cc`
-// (major * 10 + minor): those of the smallest compiled pair (by head dim, then value head dim) that
-// holds both, whose kernels predicate the columns past d and dv. `arch` 0 takes the newest family the
+// (major * 10 + minor): of the newest family the device runs that has a pair holding both, the
+// smallest such pair (by head dim, then value head dim), whose kernels predicate the columns past d
+// and dv; on Hopper head dim 32 thus runs on the SM90 head dim 64. `arch` 0 takes the newest family the
 // device runs, unless the environment variable FLASHMASK_ARCH names one (read once, at the first
 // call of the process); 80 or 90 asks for that family and raises if it is not compiled or the
 // device cannot run it.

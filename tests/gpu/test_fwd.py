@@ -252,6 +252,20 @@ def test_arch_selection():
             flashmask.flashmask_attention(q, q, q, causal=True, backend="sm90")
 
 
+def test_small_head_dims_run_on_the_newest_family():
+    """On Hopper head dims 32 and 40 round up to the SM90 head dim 64 (zero-padded: measured faster
+    than the SM80 kernels at 32), forward and backward; a forced sm80 keeps its own head dim 32."""
+    dtype = DTYPES[-1]
+    if torch.cuda.get_device_capability() != (9, 0) or 90 not in _cuda.compiled_archs(64, dtype):
+        pytest.skip("needs a Hopper GPU and the SM90 head dim 64")
+    for d in (32, 40):
+        q = torch.randn(1, 300, 2, d, device="cuda", dtype=dtype)
+        assert _cuda.selected_arch(q, 0) == 90 and _cuda.selected_arch(q, 0, "bwd") == 90
+        assert _cuda.selected_arch(q, 80) == 80
+        out, lse = flashmask.flashmask_attention(q, q, q, causal=True, return_lse=True, backend="cuda")
+        assert_close_to_reference(out, lse, q, q, q, None, True)
+
+
 _ENV_ARCH_SCRIPT = """
 import torch, flashmask
 from flashmask import _cuda

@@ -19,6 +19,7 @@ from flashmask.data import (  # noqa: E402
     response_end_values,
     shared_sequence_logps,
 )
+from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 256
@@ -26,13 +27,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             vocab_size=VOCAB, max_position_embeddings=256, attention_dropout=0.0)
 
 
-def set_impl(model, name):
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # transformers 4.53
-        model.config._attn_implementation = name
-    assert model.config._attn_implementation == name
-    return model
 
 
 def make_model(kind, name=NAME, seed=0):

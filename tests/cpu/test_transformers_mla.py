@@ -1,8 +1,8 @@
 """The transformers backend ("fm_colmask") on a model whose value head dim differs from its query/key
 head dim: a tiny random DeepSeek-V3 (multi-head latent attention, here Dqk = 16 + 8 = 24 and
 Dv = 12), float32 on the CPU, against transformers' eager attention: logits and parameter
-gradients on a plain batch, a padded batch, and a row packed by restarting position_ids (eager
-runs each document alone).
+gradients on a plain batch and a padded batch (the packed row by restarting position_ids is in
+tests/cpu/test_model_zoo.py, at DeepSeek-V3's real head dims).
 """
 import pytest
 import torch
@@ -12,19 +12,13 @@ if not hasattr(transformers, "DeepseekV3Config"):
     pytest.skip("this transformers has no DeepSeek-V3", allow_module_level=True)
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
+from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 128
 QK_NOPE, QK_ROPE, V_DIM = 16, 8, 12
 
 
-def set_impl(model, name):
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # transformers 4.53
-        model.config._attn_implementation = name
-    assert model.config._attn_implementation == name
-    return model
 
 
 def make_model(seed=0):
@@ -110,36 +104,6 @@ def test_padded_batch_matches_eager(side):
     (want,), want_g = logits_and_grads(model, "eager", batch)
     real = am.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
-    assert_grads_close(got_g, want_g)
-
-
-def test_packed_row_matches_each_document_alone_under_eager():
-    """One row of documents told apart by restarting position_ids only; each document's first token
-    has no label, so the packed loss is the token-weighted mean of the documents' own losses."""
-    model = make_model(seed=3).train()
-    g = torch.Generator().manual_seed(3)
-    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 9, 4, 7)]
-    labels = [d.clone() for d in docs]
-    for x in labels:
-        x[0] = -100
-    row = {"input_ids": torch.cat(docs)[None], "position_ids": torch.cat([torch.arange(len(d)) for d in docs])[None],
-           "labels": torch.cat(labels)[None]}
-    (got,), got_g = logits_and_grads(model, NAME, [row])
-
-    n_targets = sum(len(d) - 1 for d in docs)
-    set_impl(model, "eager")
-    model.zero_grad()
-    want = []
-    for d in docs:
-        out = model(input_ids=d[None], labels=d[None], use_cache=False)
-        (out.loss * (len(d) - 1) / n_targets).backward()
-        want.append(out.logits.detach()[0])
-    want_g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    set_impl(model, NAME)
-    col = 0
-    for d, w in zip(docs, want):
-        torch.testing.assert_close(got[0, col:col + len(d)], w, atol=2e-5, rtol=1e-4)
-        col += len(d)
     assert_grads_close(got_g, want_g)
 
 

@@ -19,6 +19,8 @@ if not hasattr(transformers, "DeepseekV3Config"):
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask import _cuda  # noqa: E402
 from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
+from tests.gpu.hf_checks import alone, check_close, docs_for  # noqa: E402
+from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 512
@@ -44,12 +46,6 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def set_impl(model, name):
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
-    return model
 
 
 def models(seed=0):
@@ -67,23 +63,6 @@ def models(seed=0):
     return m16.eval(), m32.eval()
 
 
-def check_close(got, want32, base16, what):
-    e_got = (got.float() - want32).abs()
-    e_base = (base16.float() - want32).abs()
-    assert torch.isfinite(got).all(), what
-    assert e_got.max() <= 2 * e_base.max() + 1e-2, (what, float(e_got.max()), float(e_base.max()))
-    assert e_got.mean() <= 2 * e_base.mean() + 1e-3, (what, float(e_got.mean()), float(e_base.mean()))
-
-
-def docs_for(seed, n, lo, hi):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g) for _ in range(n)]
-
-
-def alone(model, seqs, name):
-    set_impl(model, name)
-    with torch.no_grad():
-        return [model(input_ids=s[None].cuda(), use_cache=False).logits[0].float() for s in seqs]
 
 
 @pytest.mark.parametrize("source", ["position_ids", "mask"])

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import flashmask  # noqa: E402
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask.data import PackedSFTCollator, ShareQuestionCollator, model_inputs, pack_sequences, shared_sequence_logps  # noqa: E402
-from tests.gpu.hf_checks import alone, check_close, docs_for  # noqa: E402
+from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, docs_for  # noqa: E402
 from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
@@ -117,25 +117,4 @@ def test_dpo_bf16_logps_equal_separate_sequences(kind):
 @pytest.mark.parametrize("kind", ["llama"])
 def test_packed_sft_bf16_gradients_match_separate_documents(kind):
     m16, m32 = models(kind, seed=3)
-    docs = docs_for(4, 6, 50, 600)
-    b = {k: v.cuda() for k, v in PackedSFTCollator(2048)([{"input_ids": d} for d in docs]).items()}
-    n_targets = sum(len(d) - 1 for d in docs)
-
-    def grads(model, packed):
-        model.zero_grad()
-        if packed:
-            model(**b, use_cache=False).loss.float().backward()
-        else:
-            for d in docs:
-                x = d[None].cuda()
-                (model(input_ids=x, labels=x, use_cache=False).loss.float() * (len(d) - 1) / n_targets).backward()
-        return torch.cat([p.grad.float().flatten() for p in model.parameters()])
-
-    got = grads(m16, True)
-    set_impl(m16, "sdpa")
-    base = grads(m16, False)
-    set_impl(m16, NAME)
-    want = grads(m32, False)
-    rel = lambda x: float((x - want).norm() / want.norm())  # noqa: E731
-    assert torch.isfinite(got).all()
-    assert rel(got) <= 2 * rel(base) + 1e-3, (rel(got), rel(base))
+    check_packed_sft_gradients(m16, m32, docs_for(4, 6, 50, 600), NAME, "sdpa", every_parameter=True)

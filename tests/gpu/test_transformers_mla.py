@@ -19,7 +19,7 @@ if not hasattr(transformers, "DeepseekV3Config"):
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask import _cuda  # noqa: E402
 from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
-from tests.gpu.hf_checks import alone, check_close, docs_for  # noqa: E402
+from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, docs_for  # noqa: E402
 from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
@@ -106,25 +106,4 @@ def test_padded_batch_bf16_matches_eager():
 
 def test_packed_sft_bf16_gradients_match_separate_documents():
     m16, m32 = models(seed=3)
-    docs = docs_for(4, 6, 50, 600)
-    b = {k: v.cuda() for k, v in PackedSFTCollator(2048)([{"input_ids": d} for d in docs]).items()}
-    n_targets = sum(len(d) - 1 for d in docs)
-
-    def grads(model, packed):
-        model.zero_grad()
-        if packed:
-            model(**b, use_cache=False).loss.float().backward()
-        else:
-            for d in docs:
-                x = d[None].cuda()
-                (model(input_ids=x, labels=x, use_cache=False).loss.float() * (len(d) - 1) / n_targets).backward()
-        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-
-    got = grads(m16.train(), True)
-    set_impl(m16, "eager")
-    base = grads(m16, False)
-    set_impl(m16, NAME)
-    want = grads(m32.train(), False)
-    rel = lambda x: float((x - want).norm() / want.norm())  # noqa: E731
-    assert torch.isfinite(got).all()
-    assert rel(got) <= 2 * rel(base) + 1e-3, (rel(got), rel(base))
+    check_packed_sft_gradients(m16.train(), m32.train(), docs_for(4, 6, 50, 600), NAME, "eager")

@@ -139,3 +139,22 @@ def make_model(transformers, family: str, attn_implementation: str, seed: int = 
 
 def sinks_parameters(model) -> Dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if n.endswith("self_attn.sinks")}
+
+
+def padded_batch(lens, side: str, seed: int, vocab: int = VOCAB) -> dict:
+    """A batch of len(lens) rows padded on the `side` ("right" or "left") to the longest, with labels
+    on the real tokens only. Left-padded rows have no target for their first real token: the padding
+    before it would predict it, from a row that sees no key (eager's output there is a uniform
+    average over every key, flashmask's and sdpa's 0)."""
+    g = torch.Generator().manual_seed(seed)
+    s = max(lens)
+    ids = torch.randint(1, vocab, (len(lens), s), generator=g)
+    am = torch.zeros(len(lens), s, dtype=torch.long)
+    for i, n in enumerate(lens):
+        am[i, :n] = 1
+        if side == "left":
+            am[i] = am[i].flip(0)
+    labels = ids.masked_fill(am == 0, -100)
+    if side == "left":
+        labels[torch.arange(len(lens)), s - torch.tensor(lens)] = -100
+    return {"input_ids": ids, "attention_mask": am, "labels": labels}

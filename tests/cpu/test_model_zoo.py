@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from tests import model_zoo as zoo  # noqa: E402
-from tests.model_zoo import VOCAB, make_model, set_impl  # noqa: E402
+from tests.model_zoo import VOCAB, make_model, padded_batch, set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -112,24 +112,10 @@ def test_plain_batch_matches_eager(family):
 @pytest.mark.parametrize("family", families())
 def test_padded_batch_matches_eager(family, side):
     model = make_model(transformers, family, NAME, seed=2)
-    g = torch.Generator().manual_seed(2)
-    lens = [13, 6, 9]
-    s = max(lens)
-    ids = torch.randint(1, VOCAB, (3, s), generator=g)
-    am = torch.zeros(3, s, dtype=torch.long)
-    for i, n in enumerate(lens):
-        am[i, :n] = 1
-        if side == "left":
-            am[i] = am[i].flip(0)
-    labels = ids.masked_fill(am == 0, -100)
-    if side == "left":
-        # No target for the first real token: the padding before it would predict it (from a row that
-        # sees no key: eager's output there is a uniform average over every key, ours 0).
-        labels[torch.arange(3), s - torch.tensor(lens)] = -100
-    batch = [{"input_ids": ids, "attention_mask": am, "labels": labels}]
+    batch = [padded_batch([13, 6, 9], side, seed=2)]
     (got,), got_g = logits_and_grads(model, NAME, batch)
     (want,), want_g = logits_and_grads(model, "eager", batch)
-    real = am.bool()
+    real = batch[0]["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], **TOL)
     assert_grads_close(model, got_g, want_g)
 

@@ -12,7 +12,7 @@ if not hasattr(transformers, "DeepseekV3Config"):
     pytest.skip("this transformers has no DeepSeek-V3", allow_module_level=True)
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
-from tests.model_zoo import set_impl  # noqa: E402
+from tests.model_zoo import padded_batch, set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 128
@@ -85,24 +85,10 @@ def test_plain_batch_matches_eager():
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padded_batch_matches_eager(side):
     model = make_model(seed=2).train()
-    g = torch.Generator().manual_seed(2)
-    lens = [11, 6, 8]
-    s = max(lens)
-    ids = torch.randint(1, VOCAB, (3, s), generator=g)
-    am = torch.zeros(3, s, dtype=torch.long)
-    for i, n in enumerate(lens):
-        am[i, :n] = 1
-        if side == "left":
-            am[i] = am[i].flip(0)
-    labels = ids.masked_fill(am == 0, -100)
-    if side == "left":
-        # No target for the first real token: the padding before it would predict it (from a row that
-        # sees no key: eager's output there is a uniform average over every key, ours and sdpa's 0).
-        labels[torch.arange(3), s - torch.tensor(lens)] = -100
-    batch = [{"input_ids": ids, "attention_mask": am, "labels": labels}]
+    batch = [padded_batch([11, 6, 8], side, seed=2, vocab=VOCAB)]
     (got,), got_g = logits_and_grads(model, NAME, batch)
     (want,), want_g = logits_and_grads(model, "eager", batch)
-    real = am.bool()
+    real = batch[0]["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
     assert_grads_close(got_g, want_g)
 

@@ -67,10 +67,8 @@ def _not_built_reason() -> str:
 # into the pybind11 functions themselves.
 _HEAD_DIMS: Tuple[int, ...] = tuple(_C.head_dims()) if _C is not None else ()
 _DTYPES: Tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
-# (a build that predates unequal head dims has only the equal pairs)
 _HEAD_DIM_PAIRS: Tuple[Tuple[int, int], ...] = (
-    tuple((int(d), int(dv)) for d, dv in _C.head_dim_pairs()) if hasattr(_C, "head_dim_pairs")
-    else tuple((d, d) for d in _HEAD_DIMS))
+    tuple((int(d), int(dv)) for d, dv in _C.head_dim_pairs()) if _C is not None else ())
 
 
 def compiled_head_dims() -> Tuple[int, ...]:
@@ -128,7 +126,7 @@ def build_unsupported_reason(q: torch.Tensor, head_dim_v: Optional[int] = None) 
     dv = d if head_dim_v is None else head_dim_v
     dims = compiled_head_dims()
     pairs = compiled_head_dim_pairs()
-    if not any(dv <= bv and d <= b for b, bv in pairs + tuple((b, b) for b in dims)):
+    if not any(d <= b and dv <= bv for b, bv in pairs):  # the equal head dims are pairs too
         if dv == d:
             return (f"this build compiled head dims {dims}, none of which holds {d} "
                     f"(rebuild with FLASHMASK_HEAD_DIMS including a larger one)")

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -81,8 +82,8 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 // persistent forward's query tiles, or the SM90 backward's key blocks (walking query blocks of
 // block_m rows).
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale, int block_m,
-                 int block_n, Jobs jobs, MaskMeta& meta, cudaStream_t stream) {
+                 const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
+                 double softcap, int block_m, int block_n, Jobs jobs, MaskMeta& meta, cudaStream_t stream) {
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
     const int sk = k.size(1), hk = k.size(2);
     p.q = q.data_ptr();
@@ -99,8 +100,13 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.d = d;
     p.d_v = v.size(3);
     p.q_per_kv_head = hq / hk;
+    TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "flashmask: softcap must be finite and >= 0 (0: off), got ",
+                softcap);
     p.softmax_scale = float(softmax_scale);
-    p.scale_log2 = float(softmax_scale * M_LOG2E);
+    // Soft-capped scores are tanh(q.k * softmax_scale / softcap), whose softmax runs at scale softcap.
+    p.softcap_scale = softcap > 0.0 ? float(softmax_scale / softcap) : 0.f;
+    p.score_scale = float(softcap > 0.0 ? softcap : softmax_scale);
+    p.scale_log2 = float(p.score_scale * M_LOG2E);
     p.causal = causal;
     p.n_key_blocks = (sk + block_n - 1) / block_n;
     if (!startend_row_indices.has_value()) return;
@@ -128,7 +134,7 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
 // Returns {out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32}. num_splits: 0 chooses, 1 disables split-KV.
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
-                            int64_t num_splits, int64_t arch) {
+                            int64_t num_splits, int64_t arch, double softcap, const std::optional<at::Tensor>& sinks) {
     check_qkv(q, k, v);
     const c10::cuda::CUDAGuard guard(q.device());
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3), d_v = v.size(3);
@@ -157,8 +163,17 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     MaskMeta meta;
     // The SM90 forward is persistent: its CTAs draw jobs from a counter.
     const bool persistent = sel.kernels->arch == 90;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, sel.tiles.fwd_block_m, sel.tiles.fwd_block_n,
-                persistent ? Jobs::query_tiles : Jobs::none, meta, stream);
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, softcap, sel.tiles.fwd_block_m,
+                sel.tiles.fwd_block_n, persistent ? Jobs::query_tiles : Jobs::none, meta, stream);
+    at::Tensor sinks_f;
+    if (sinks.has_value()) {
+        TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == hq && sinks->is_floating_point(),
+                    "flashmask: sinks must be a float tensor [Hq] = [", hq, "], got ", sinks->scalar_type(), " ",
+                    shape_str(sinks->sizes()));
+        TORCH_CHECK(sinks->device() == q.device(), "flashmask: sinks must be on the device of q");
+        sinks_f = sinks->to(at::kFloat).contiguous();
+        p.sinks = sinks_f.data_ptr<float>();
+    }
     at::Tensor job_counter;
     if (persistent) {  // a memset, not at::zeros: a fill kernel through the dispatcher costs more host time
         job_counter = at::empty({1}, q.options().dtype(at::kInt));
@@ -195,7 +210,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
                             const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
-                            bool deterministic, int64_t arch) {
+                            bool deterministic, int64_t arch, double softcap) {
     check_qkv(q, k, v);
     const std::vector<int64_t> o_shape{q.size(0), q.size(1), q.size(2), v.size(3)};
     for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"dout", &dout}, {"out", &out}}) {
@@ -246,8 +261,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const Jobs jobs = sm90 && !deterministic                                ? Jobs::key_blocks
                       : sm90 && sk >= kTurnListKeys && !head_group_forced() ? Jobs::key_blocks_in_turn
                                                                             : Jobs::none;
-    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, jobs != Jobs::none ? sel.tiles.bwd_block_m : 0,
-                sel.tiles.bwd_block_n, jobs, meta, stream);
+    fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, softcap,
+                jobs != Jobs::none ? sel.tiles.bwd_block_m : 0, sel.tiles.bwd_block_n, jobs, meta, stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();
@@ -341,10 +356,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flashmask CUDA kernels";
     m.def("fwd", &flashmask::fwd, "FlashMask attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("startend_row_indices"), py::arg("causal"), py::arg("softmax_scale"), py::arg("num_splits") = 0,
-          py::arg("arch") = 0);
+          py::arg("arch") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
     m.def("bwd", &flashmask::bwd, "FlashMask attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("startend_row_indices"),
-          py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"), py::arg("arch") = 0);
+          py::arg("causal"), py::arg("softmax_scale"), py::arg("deterministic"), py::arg("arch") = 0,
+          py::arg("softcap") = 0.0);
     m.def("mask_cache_stats", &flashmask::mask_cache_stats,
           "(hits, misses) of the mask metadata cache since its last clear");
     m.def("mask_cache_clear", &flashmask::mask_cache_clear, "empty the mask metadata cache and zero its counts");

@@ -1,5 +1,5 @@
 // Split-KV: merges the partial outputs of the splits through their LSEs (one warp per row, over its
-// value head dim).
+// value head dim), with the head's sink, if any, as one more split that carries no value.
 #include <c10/cuda/CUDAException.h>
 #include <cutlass/numeric_types.h>
 
@@ -22,7 +22,9 @@ __global__ void fwd_combine_kernel(const AttnParams p) {
     float m = -INFINITY;
     for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, lse_s[s * rows]);
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (m == -INFINITY) {  // no split saw a key: the row is empty
+    const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+    m = fmaxf(m, sink);
+    if (m == -INFINITY) {  // no split saw a key and there is no sink: the row is empty
         for (int c = lane; c < p.d_v; c += 32) out[c] = Element(0.f);
         if (lane == 0) p.lse[row] = INFINITY;
         return;
@@ -30,6 +32,7 @@ __global__ void fwd_combine_kernel(const AttnParams p) {
     float sum = 0.f;
     for (int s = lane; s < p.num_splits; s += 32) sum += __expf(lse_s[s * rows] - m);
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    sum += __expf(sink - m);
     const float lse = m + __logf(sum);
     for (int c = lane; c < p.d_v; c += 32) {
         float acc = 0.f;

@@ -1,6 +1,6 @@
 // Where and how a forward CTA writes its query tile, on (rows, cols) views of its accumulator that
 // either architecture provides: the output and LSE, a split-KV partial result in fp32, or the zeros
-// and +inf of a tile that no key reaches. Both kernels stage the output itself through shared
+// and +inf (or the sink) of a tile that no key reaches. Both kernels stage the output itself through shared
 // memory (sm80/fwd_epilogue.h, sm90/tile_store.h); the LSE, the split-KV partial results and the
 // empty tiles are written here.
 #pragma once
@@ -19,6 +19,9 @@ struct FwdOutput {
     float* lse;     // row 0 of the LSE (or the split's partial LSE)
     int64_t row_stride;
     int d;  // the value head dim: the columns of O
+    // The head's sink logit for the softmax's denominator (-inf: none; a split leaves it to the
+    // merge, which adds it once).
+    float sink;
 
     __forceinline__ __device__ FwdOutput(const AttnParams& p, int b, int h, int split_idx) {
         const bool split = p.num_splits > 1;
@@ -28,9 +31,11 @@ struct FwdOutput {
         lse = (split ? p.lse_partial : p.lse) + row_base;
         row_stride = p.o_row_stride;
         d = p.d_v;
+        sink = !split && p.sinks != nullptr ? p.sinks[h] : -INFINITY;
     }
 
-    // Rows [r0, r1) see no key: output 0 and LSE +inf (in a split, -inf: it adds nothing to the merge).
+    // Rows [r0, r1) see no key: output 0 and LSE +inf, or the sink where there is one (in a split,
+    // -inf: it adds nothing to the merge).
     __forceinline__ __device__ void write_empty(int r0, int r1, int tidx, int threads) const {
         for (int i = tidx; i < (r1 - r0) * d; i += threads) {
             const int row = r0 + i / d, col = i % d;
@@ -39,7 +44,8 @@ struct FwdOutput {
             else
                 o[row * row_stride + col] = Element(0.f);
         }
-        for (int r = r0 + tidx; r < r1; r += threads) lse[r] = o_part != nullptr ? -INFINITY : INFINITY;
+        const float empty_lse = o_part != nullptr ? -INFINITY : sink == -INFINITY ? INFINITY : sink;
+        for (int r = r0 + tidx; r < r1; r += threads) lse[r] = empty_lse;
     }
 
     // A split's normalised partial output stays fp32, written from registers. o_rc and coords are

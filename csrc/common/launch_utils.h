@@ -33,6 +33,15 @@ void launch_with_smem(Kernel kernel, dim3 grid, int threads, int smem, const Par
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Calls f(flag) with flag as a compile-time constant (std::true_type or std::false_type).
+template <typename F>
+void dispatch_bool(bool flag, F&& f) {
+    if (flag)
+        f(std::true_type{});
+    else
+        f(std::false_type{});
+}
+
 // Calls f(is_causal, mask_c) with both as compile-time constants (the valid (causal, C) modes).
 template <typename F>
 void dispatch_mask_mode(bool causal, int mask_c, F&& f) {

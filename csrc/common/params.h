@@ -19,6 +19,15 @@ struct AttnParams {
     int b, sq, sk, hq, hk, d, d_v;
     int q_per_kv_head;  // Hq / Hk
     float softmax_scale, scale_log2;
+    // Soft-capping: the kernels built for it score tanh(q.k * softcap_scale) (common/softcap.h);
+    // scale_log2 and score_scale are then those of the softmax over those scores: softcap * log2(e) and
+    // softcap. Without it softcap_scale is 0 and score_scale == softmax_scale. The backward scales dQ
+    // and dK by softmax_scale in either case.
+    float softcap_scale, score_scale;
+    // Attention sinks: float32 [Hq], one logit per query head in every row's softmax denominator
+    // (in the units of score_scale), or nullptr. Only the forward reads them: the backward's P comes
+    // from the LSE, which holds them.
+    const float* sinks;
 
     // FlashMask column intervals [B, Hm, Sk, C] int32 contiguous (nullptr: no mask) and their
     // per-key-block bounds [B, Hm, n_key_blocks, 8] (see mask_bounds.h).

@@ -158,14 +158,28 @@ struct OnlineSoftmax {
     }
 
     // Normalises o and returns each row's log-sum-exp (natural log, +inf for rows nothing attends).
+    // score_scale turns the kept max into the softmax's units; sink (-inf: none) is a logit in those
+    // units that joins every row's denominator and carries no value: a row nothing attends then gets
+    // LSE = sink. The sum is taken at max(max, sink) so that a large sink cannot overflow it.
     template <typename O>
-    __forceinline__ __device__ void finalize(O& o, float softmax_scale, float (&lse)[kRows]) {
+    __forceinline__ __device__ void finalize(O& o, float score_scale, float (&lse)[kRows], float sink) {
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(o); ++mi) {
             const float sum = quad_sum(row_sum[mi]);
-            const bool empty = sum == 0.f;
-            const float inv = empty ? 0.f : 1.f / sum;
-            lse[mi] = empty ? INFINITY : row_max[mi] * softmax_scale + __logf(sum);
+            float inv, row_lse;
+            if (sink == -INFINITY) {
+                const bool empty = sum == 0.f;
+                inv = empty ? 0.f : 1.f / sum;
+                row_lse = empty ? INFINITY : row_max[mi] * score_scale + __logf(sum);
+            } else {
+                const float m = row_max[mi] == -INFINITY ? -INFINITY : row_max[mi] * score_scale;
+                const float top = fmaxf(m, sink);
+                const float kept = __expf(m - top);
+                const float total = sum * kept + __expf(sink - top);
+                inv = kept / total;
+                row_lse = top + __logf(total);
+            }
+            lse[mi] = row_lse;
             CUTE_UNROLL
             for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= inv;
         }

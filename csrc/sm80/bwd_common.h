@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/params.h"
+#include "common/softcap.h"
 #include "sm80/bwd_traits.h"
 #include "sm80/tile_ops.h"
 
@@ -113,14 +114,19 @@ __forceinline__ __device__ void probs(S& s, Rows const& rows, float scale_log2) 
     }
 }
 
-// dS = P * (dP - D), in place on dP.
-template <typename DP, typename P, typename Rows>
-__forceinline__ __device__ void dscores(DP& dp, P const& pr, Rows const& rows) {
+// dS = P * (dP - D), in place on dP; with kSoftcap times the soft-cap's slope (common/softcap.h).
+template <bool kSoftcap, typename DP, typename P, typename Rows>
+__forceinline__ __device__ void dscores(DP& dp, P const& pr, Rows const& rows, float inv_scale_log2) {
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(dp); ++mi) {
         const float d = rows.dsum(mi);
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = pr(mi, ni) * (dp(mi, ni) - d);
+        if constexpr (kSoftcap) {
+            const float lse_log2 = rows.lse_log2(mi);
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) *= softcap_slope(pr(mi, ni), lse_log2, inv_scale_log2);
+        }
     }
 }
 

@@ -16,7 +16,8 @@ using namespace cute;
 
 // Deterministic dQ: one CTA per (query block, head, batch) walks its visible key blocks in a fixed
 // order and accumulates dQ = dS K in registers.
-template <typename Traits, bool Is_causal, int kMaskC>
+// kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdParams p) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -117,12 +118,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
             clear(acc_dp);
             gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, cp.sdp_a, cp.sdp_b, cp.thr_sdp_a, cp.thr_sdp_b);
             gemm_ss(acc_dp, tSrdO, tSrV, tSsdO, tSsV, mma_sdp, cp.sdp_a, cp.sdp_b, cp.thr_sdp_a, cp.thr_sdp_b);
+            if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
             Tensor s_rc = rowcol(acc_s);
             Tensor dp_rc = rowcol(acc_dp);
             if (compare.any)
                 mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, walk.causal_offset, smem_mask);
             probs(s_rc, rows, p.scale_log2);
-            dscores(dp_rc, s_rc, rows);
+            dscores<kSoftcap>(dp_rc, s_rc, rows, 1.f / p.scale_log2);
             Tensor rdS = convert_to<Element>(acc_dp);
             copy(cp.c, cp.thr_c.retile_S(rdS), tPsdS);
             __syncthreads();  // dS is in shared memory

@@ -22,7 +22,8 @@ using namespace cute;
 
 // dQ is accumulated with atomics (dq_accum.h) when p.dq_accum is set (a uniform branch: one
 // instantiation serves both modes).
-template <typename Traits, bool Is_causal, int kMaskC>
+// kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdParams p) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -184,6 +185,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
             gemm_ss(acc_s, tSrQ, tSrK, cp.thr_sdp_a.partition_S(sQ), tSsK, mma_sdp, cp.sdp_a, cp.sdp_b, cp.thr_sdp_a,
                     cp.thr_sdp_b);
+            if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
             Tensor s_rc = rowcol(acc_s);
             if (compare.any) mask_scores<Is_causal, kMaskC>(s_rc, cS, compare, r0, c0, p.sk, causal_offset, smem_mask);
             probs(s_rc, rows, p.scale_log2);
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
             gemm_ss(acc_dp, tSrdO, tSrV, cp.thr_sdp_a.partition_S(sdO), tSsV, mma_sdp, cp.sdp_a, cp.sdp_b, cp.thr_sdp_a,
                     cp.thr_sdp_b);
             Tensor dp_rc = rowcol(acc_dp);
-            dscores(dp_rc, s_rc, rows);
+            dscores<kSoftcap>(dp_rc, s_rc, rows, 1.f / p.scale_log2);
             Tensor rdS = convert_to<Element>(acc_dp);
             copy(cp.c, cp.thr_c.retile_S(rdS), tPsdS);
             __syncthreads();  // P and dS are in shared memory; the rows are used

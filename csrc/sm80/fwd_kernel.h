@@ -11,6 +11,7 @@
 
 #include "common/launch_order.h"
 #include "common/params.h"
+#include "common/softcap.h"
 #include "common/softmax.h"
 #include "mask/block_walk.h"
 #include "mask/element_mask.h"
@@ -23,8 +24,8 @@ namespace flashmask::sm80 {
 using namespace cute;
 
 // kMaskC: the C of startend_row_indices (0 = no mask), fixed at compile time so that a partial
-// tile tests only the intervals its mode has.
-template <typename Traits, bool Is_causal, int kMaskC>
+// tile tests only the intervals its mode has. kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams p) {
     constexpr bool Has_mask = kMaskC > 0;
     using Element = typename Traits::Element;
@@ -164,6 +165,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
             cp_async_fence();
         }
 
+        if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
         Tensor s_rc = rowcol(acc_s);
         if (compare.any) {
             mask_scores<Is_causal, kMaskC>(s_rc, rowcol(tScS), compare, r0, n_block * kBlockN, p.sk, walk.causal_offset,
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     float lse[kRowsPerThread];
     Tensor o_rc = rowcol(acc_o);
-    softmax.finalize(o_rc, p.softmax_scale, lse);
+    softmax.finalize(o_rc, p.score_scale, lse, output.sink);
     Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(typename Traits::TileO{})));
     if (split) {
         output.write_partial(o_rc, cO_rc, lse, r0, r1, tidx);

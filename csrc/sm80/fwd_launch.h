@@ -14,11 +14,13 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     using Traits = FwdTraits<kHeadDim, kHeadDimV, Element>;
     const dim3 grid((p.sq + Traits::kBlockM - 1) / Traits::kBlockM * p.hq, 1, p.b * p.num_splits);
     constexpr int smem = Traits::kSmemBytes;
-    auto launch = [&](auto is_causal, auto mask_c) {
-        launch_with_smem(&fwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value>, grid,
-                         Traits::kNThreads, smem, p, stream);
-    };
-    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, launch);
+    dispatch_bool(p.softcap_scale != 0.f, [&](auto softcap) {
+        dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
+            launch_with_smem(
+                &fwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, decltype(softcap)::value>,
+                grid, Traits::kNThreads, smem, p, stream);
+        });
+    });
 }
 
 }  // namespace flashmask::sm80

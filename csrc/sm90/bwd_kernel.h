@@ -27,11 +27,12 @@
 namespace flashmask::sm90 {
 using namespace cute;
 
-template <typename Traits, bool Is_causal, int kMaskC, typename Args>
+// kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, typename Args, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Pipeline = typename Traits::Pipeline;
-    using Mainloop = BwdMainloop<Traits, Is_causal, kMaskC>;
+    using Mainloop = BwdMainloop<Traits, Is_causal, kMaskC, kSoftcap>;
     using Job = typename Mainloop::Job;
     const BwdParams& p = args.p;
 

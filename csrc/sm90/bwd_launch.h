@@ -51,9 +51,12 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (key block, head, batch) jobs for one launch");
     TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 backward needs a job counter");
     const dim3 grid{unsigned(std::min<int64_t>(jobs, at::cuda::getCurrentDeviceProperties()->multiProcessorCount))};
-    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
-        launch_with_smem(&bwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args>, grid,
-                         Traits::kNThreads, Traits::kSmemBytes, args, stream);
+    dispatch_bool(p.softcap_scale != 0.f, [&](auto softcap) {
+        dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
+            launch_with_smem(&bwd_kernel<Traits, decltype(is_causal)::value, decltype(mask_c)::value, Args,
+                                         decltype(softcap)::value>,
+                             grid, Traits::kNThreads, Traits::kSmemBytes, args, stream);
+        });
     });
     if (int64_t(p.b) * p.hq * p.sq == 0) return;
     const dim3 tiles((p.sq + Traits::kBlockM - 1) / Traits::kBlockM, p.hq, p.b);

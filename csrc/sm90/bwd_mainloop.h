@@ -11,6 +11,7 @@
 
 #include "common/cp_async.h"
 #include "common/params.h"
+#include "common/softcap.h"
 #include "mask/element_mask.h"
 #include "sm90/block_ticket.h"
 #include "sm90/bwd_barriers.h"
@@ -20,7 +21,8 @@
 namespace flashmask::sm90 {
 using namespace cute;
 
-template <typename Traits, bool Is_causal, int kMaskC>
+// kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 struct BwdMainloop {
     static constexpr bool Has_mask = kMaskC > 0;
     static constexpr int kBlockM = Traits::kBlockM;
@@ -98,6 +100,7 @@ struct BwdMainloop {
         // but keeping both live across the loop spills at 240 registers.)
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
+        const float inv_scale_log2 = 1.f / p.scale_log2;
         shared.barrier_kv.wait(kv_phase);
         kv_phase ^= 1;
         for (int tile = 0, more = true; more; ++tile) {
@@ -115,6 +118,7 @@ struct BwdMainloop {
 
             // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs
             // while dP^T lands and dS^T is computed.
+            if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
             Tensor st = rowcol(acc_s);
             if (compare.any) {
                 mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, p.sk - p.sq,
@@ -137,13 +141,20 @@ struct BwdMainloop {
             if constexpr (Traits::kEarlyDv) issue_dv();
             warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
 
-            // dS^T = P^T (dP^T - D); dK += dS^T Q.
+            // dS^T = P^T (dP^T - D), times the soft-cap's slope; dK += dS^T Q.
             Tensor dpt = rowcol(acc_dp);
             CUTE_UNROLL
             for (int ni = 0; ni < size<1>(dpt); ++ni) {
                 const float d = d_rows[get<1>(cST_rc(0, ni))];
                 CUTE_UNROLL
                 for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+                if constexpr (kSoftcap) {
+                    const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
+                    CUTE_UNROLL
+                    for (int mi = 0; mi < size<0>(dpt); ++mi) {
+                        dpt(mi, ni) *= softcap_slope(st(mi, ni), lse_log2, inv_scale_log2);
+                    }
+                }
             }
             if constexpr (!Traits::kEarlyDv) issue_dv();
             Tensor rdS = convert_to<Element>(acc_dp);

@@ -2,7 +2,7 @@
 // store through the warpgroup's own shared-memory buffer (tile_store.h), which runs while the
 // warpgroup starts its next job, or, where that buffer does not fit beside the pipelines (head dim
 // 256), straight from the registers; the LSE goes out from registers. A job with no visible key
-// block writes zeros and +inf (common/fwd_output.h).
+// block writes zeros and +inf or the sink (common/fwd_output.h).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -25,10 +25,10 @@ struct FwdEpilogue {
                                                  int ctid) {
         typename Traits::TiledMmaPV mma_pv;
         Tensor cO = rowcol(mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(typename Traits::TileO{})));
+        const FwdOutput<Element> output(p, tile.b, tile.h, 0);
         float lse[Softmax::kRowCount];
         Tensor o_rc = rowcol(acc_o);
-        softmax.finalize(o_rc, p.softmax_scale, lse);
-        const FwdOutput<Element> output(p, tile.b, tile.h, 0);
+        softmax.finalize(o_rc, p.score_scale, lse, output.sink);
         if constexpr (Traits::kOThroughSmem) {
             Traits::OutStore::template store<Traits::kBlockM>(
                 tma_o, make_shape(p.sq, p.d_v, p.hq, p.b), acc_o, mma_pv, shared.o.data(),
@@ -39,7 +39,7 @@ struct FwdEpilogue {
         output.write_lse(cO, lse, tile.r0, tile.r1, ctid);
     }
 
-    // A job no key reaches: output 0 and LSE +inf.
+    // A job no key reaches: output 0 and LSE +inf (or the sink).
     template <typename Job>
     __forceinline__ __device__ static void store_empty(const AttnParams& p, const Job& tile, int ctid) {
         FwdOutput<Element>(p, tile.b, tile.h, 0).write_empty(tile.r0, tile.r1, ctid, Traits::kConsumerThreads);

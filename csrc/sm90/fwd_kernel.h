@@ -24,13 +24,14 @@ namespace flashmask::sm90 {
 using namespace cute;
 
 // kDecodeWarp: a second producer warp draws and decodes each job one ahead (FwdTile::decode_warp_keys).
-template <typename Traits, bool Is_causal, int kMaskC, typename Args, bool kDecodeWarp>
+// kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, typename Args, bool kDecodeWarp, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const __grid_constant__ Args args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Pipeline = typename Traits::Pipeline;
     using PipelineQ = typename Traits::PipelineQ;
     using Producer = FwdProducer<Traits, Is_causal, kMaskC, kDecodeWarp>;
-    using Mainloop = FwdMainloop<Traits, Is_causal, kMaskC>;
+    using Mainloop = FwdMainloop<Traits, Is_causal, kMaskC, kSoftcap>;
     using Epilogue = FwdEpilogue<Traits>;
     const AttnParams& p = args.p;
 

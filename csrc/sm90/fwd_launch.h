@@ -46,18 +46,21 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const dim3 grid(unsigned(std::min<int64_t>(jobs, sms)));
     constexpr int kDecodeWarpKeys = fwd_tile(kHeadDim, kHeadDimV).decode_warp_keys;
-    dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
-        constexpr bool kCausal = decltype(is_causal)::value;
-        constexpr int kMaskC = decltype(mask_c)::value;
-        if constexpr (kDecodeWarpKeys > 0) {
-            if (p.decode_warp) {
-                launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, true>, grid, Traits::kNThreads,
-                                 Traits::kSmemBytes, args, stream);
-                return;
+    dispatch_bool(p.softcap_scale != 0.f, [&](auto softcap) {
+        constexpr bool kSoftcap = decltype(softcap)::value;
+        dispatch_mask_mode(p.causal, p.mask != nullptr ? p.mask_c : 0, [&](auto is_causal, auto mask_c) {
+            constexpr bool kCausal = decltype(is_causal)::value;
+            constexpr int kMaskC = decltype(mask_c)::value;
+            if constexpr (kDecodeWarpKeys > 0) {
+                if (p.decode_warp) {
+                    launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, true, kSoftcap>, grid,
+                                     Traits::kNThreads, Traits::kSmemBytes, args, stream);
+                    return;
+                }
             }
-        }
-        launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, false>, grid, Traits::kNThreads, Traits::kSmemBytes,
-                         args, stream);
+            launch_with_smem(&fwd_kernel<Traits, kCausal, kMaskC, Args, false, kSoftcap>, grid, Traits::kNThreads,
+                             Traits::kSmemBytes, args, stream);
+        });
     });
 }
 

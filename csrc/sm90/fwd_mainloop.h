@@ -12,6 +12,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "common/params.h"
+#include "common/softcap.h"
 #include "common/softmax.h"
 #include "mask/element_mask.h"
 #include "sm90/block_ticket.h"
@@ -22,7 +23,8 @@
 namespace flashmask::sm90 {
 using namespace cute;
 
-template <typename Traits, bool Is_causal, int kMaskC>
+// kSoftcap: the scores are soft-capped (common/softcap.h).
+template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 struct FwdMainloop {
     static constexpr int kWarpgroups = Traits::kConsumerWarpgroups;
     static constexpr int kBlockN = Traits::kBlockN;
@@ -111,6 +113,7 @@ struct FwdMainloop {
         bool rescale = true;  // whether a row's max moved: O needs the correction
         // exp(S - max) of a block, masked where its ticket says, and the rescale factors of O; then P.
         auto softmax_of = [&](const Ticket& ticket, int slot) {
+            if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
             Tensor s_rc = rowcol(acc_s);
             const TileCompare cmp = ticket.compare(cwg);
             if (cmp.any) {

@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 
-from flashmask import _cuda
 from masks.format import validate
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -100,16 +99,6 @@ def check_mask(startend_row_indices: Optional[torch.Tensor], q: torch.Tensor, k:
              check_values=check_values)
     if startend_row_indices.device != q.device:
         raise ValueError(f"startend_row_indices is on {startend_row_indices.device} but q is on {q.device}")
-
-
-def kernel_options_reason(softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> Optional[str]:
-    """Why the CUDA kernels cannot take these options (an option they do not support yet), or None;
-    ``_cuda.KERNEL_OPTIONS`` lists those they support."""
-    if softcap and "softcap" not in _cuda.KERNEL_OPTIONS:
-        return "the kernels do not support logit soft-capping (softcap) yet"
-    if sinks is not None and "sinks" not in _cuda.KERNEL_OPTIONS:
-        return "the kernels do not support attention sinks (sinks) yet"
-    return None
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:

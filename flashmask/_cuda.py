@@ -179,18 +179,6 @@ def _overrides(head_group: Optional[int] = None, decode_warp: Optional[int] = No
         _C._set_overrides(*previous)
 
 
-# Options of flashmask_attention the kernels take ("softcap", "sinks"); each also has to reach _C.fwd and
-# _C.bwd below. Until an option is listed, calls that use it run on the reference path.
-KERNEL_OPTIONS: frozenset = frozenset()
-
-
-def _check_options(softcap: float, sinks: Optional[torch.Tensor]) -> None:
-    # Reached only by direct calls of the ops: flashmask_attention sends these calls to the reference path.
-    for name, used in (("softcap", softcap != 0.0), ("sinks", sinks is not None)):
-        if used and name not in KERNEL_OPTIONS:
-            raise RuntimeError(f"flashmask::fwd/bwd: the kernels do not support {name} yet")
-
-
 @torch.library.custom_op("flashmask::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices: Optional[torch.Tensor],
         causal: bool, softmax_scale: float, deterministic: bool, num_splits: int = 0,
@@ -199,10 +187,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_indices:
     # `deterministic` only matters to the backward; it is an argument so that autograd saves it.
     # num_splits: split-KV CTAs per query tile (0: chosen from the shapes, 1: off).
     # arch: the kernel family (0: the newest the device runs, or FLASHMASK_ARCH; 80; 90).
-    # softcap and sinks ([Hq], float32 in the kernel): flashmask_attention's, once in KERNEL_OPTIONS.
-    _check_options(softcap, sinks)
-    # (softcap and sinks join these arguments, after arch, once the binding takes them)
-    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
+    # softcap and sinks ([Hq], float32 in the kernel): flashmask_attention's.
+    out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch, softcap, sinks)
     return out, lse
 
 
@@ -221,10 +207,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``; dsinks is float32 ``[Hq]``, or empty ``[0]`` without sinks (a custom op
     cannot return None)."""
-    _check_options(softcap, sinks)
-    # (softcap joins these arguments, after arch, once the binding takes it; the LSE already holds the sinks)
+    # The LSE holds the sinks: the kernels' P needs nothing more of them.
     dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
-                        arch)
+                        arch, softcap)
     return dq, dk, dv, sink_grad(dout, out, lse, dlse, sinks)
 
 
@@ -271,9 +256,8 @@ def _grads(ctx, dout, dlse, bwd_op):
 
 def _eager_bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic, arch,
                softcap, sinks):
-    # (softcap joins _C.bwd's arguments, after arch, once the binding takes it)
     dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
-                        arch)
+                        arch, softcap)
     return dq, dk, dv, sink_grad(dout, out, lse, dlse, sinks)
 
 
@@ -289,8 +273,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch, softcap,
                 sinks):
-        # (softcap and sinks join _C.fwd's arguments, after arch, once the binding takes them)
-        out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
+        out, lse = _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch, softcap, sinks)
         _setup_context(ctx, (q, k, v, startend_row_indices, causal, softmax_scale, deterministic, num_splits, arch,
                              softcap, sinks), (out, lse))
         return out, lse
@@ -330,10 +313,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, startend_row_in
     if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
             or any(type(t) not in _PLAIN_TENSORS for t in (q, k, v, startend_row_indices, sinks) if t is not None)):
         return fwd(*args)
-    _check_options(softcap, sinks)
     needs_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     if not (torch.is_grad_enabled() and needs_grad):
         # Nothing to differentiate: Function.apply would only add host time to a short call.
-        # (softcap and sinks join _C.fwd's arguments, after arch, once the binding takes them)
-        return _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch)
+        return _C.fwd(q, k, v, startend_row_indices, causal, softmax_scale, num_splits, arch, softcap, sinks)
     return _EagerAttention.apply(*args)

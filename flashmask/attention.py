@@ -64,9 +64,6 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             row that no key may attend gets output 0 and LSE ``sinks[h]``. Its values are not checked
             (that would cost a device sync): give finite ones.
 
-        The CUDA kernels do not take ``softcap`` or ``sinks`` yet: calls that use them run on the
-        reference path (``backend="auto"`` warns once on CUDA tensors; a kernel backend raises).
-
     Returns:
         ``out`` ``[B, Sq, Hq, Dv]`` in the dtype of ``q``, and ``lse`` if ``return_lse``.
 
@@ -100,7 +97,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     use_cuda = backend in _cuda.ARCHS
     if backend != "reference":
-        reason = _checks.kernel_options_reason(softcap, sinks) or _checks.kernel_unsupported_reason(q, k, v)
+        reason = _checks.kernel_unsupported_reason(q, k, v)
         if reason is None and not _cuda.available():
             reason = _cuda.unavailable_reason()
         if reason is None:

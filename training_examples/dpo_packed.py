@@ -162,7 +162,7 @@ def run(args, par: Parallel) -> Dict:
     stream = PackedStream(triples, triple_len, args.max_length, args.seed)
     if par.main:
         print(f"dpo_packed: {args.model_desc} on {args.device}, attn_implementation="
-              f"{policy.config._attn_implementation} [{backend_note(args.device, args.dtype, policy)}], "
+              f"{policy.config._attn_implementation} [{backend_note(args.device, args.dtype)}], "
               f"{par.describe()}, {len(triples)} preference triples"
               f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
               f"{packs_str(args, par)}, beta={args.beta}", flush=True)

@@ -194,26 +194,9 @@ def prepare_model(model, args, par: Parallel, *, train: bool = True):
     return model
 
 
-def attention_options(model) -> list:
-    """The attention options of ``model`` that the CUDA kernels do not take yet: ``"softcap"`` (Gemma 2's
-    ``attn_logit_softcapping``) and ``"sinks"`` (GPT-OSS's per-head sinks)."""
-    from flashmask import _cuda
-
-    cfg = getattr(model, "config", None)
-    found = []
-    if getattr(cfg, "attn_logit_softcapping", None):
-        found.append("softcap")
-    if any(n.endswith("self_attn.sinks") for n, _ in model.named_parameters()):
-        found.append("sinks")
-    return [o for o in found if o not in _cuda.KERNEL_OPTIONS]
-
-
-def backend_note(device: torch.device, dtype: torch.dtype, model=None) -> str:
+def backend_note(device: torch.device, dtype: torch.dtype) -> str:
     import flashmask
 
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flashmask.cuda.available():
-        options = attention_options(model) if model is not None else []
-        if options:
-            return f"flashmask reference path: the CUDA kernels do not take {' and '.join(options)} yet"
         return "flashmask CUDA kernels"
     return "flashmask reference path (pure PyTorch)"

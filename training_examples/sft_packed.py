@@ -104,7 +104,7 @@ def run(args, par: Parallel) -> Dict:
     stream = PackedStream(docs, size, args.max_length, args.seed)
     if par.main:
         print(f"sft_packed: {args.model_desc} on {args.device}, attn_implementation="
-              f"{model.config._attn_implementation} [{backend_note(args.device, args.dtype, model)}], "
+              f"{model.config._attn_implementation} [{backend_note(args.device, args.dtype)}], "
               f"{par.describe()}, {len(docs)} documents"
               f"{f' ({stream.dropped} longer than a pack skipped)' if stream.dropped else ''}, "
               f"{packs_str(args, par)}", flush=True)

@@ -24,15 +24,14 @@ _ARCHS = dict(getattr(_cuda, "ARCHS", {"cuda": 0}))
 _warned: set = set()
 
 
-def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, softcap: float = 0.0,
-                sinks: Optional[torch.Tensor] = None) -> Optional[int]:
+def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> Optional[int]:
     """The kernel family to run these inputs on (0 = the default one), or None for the reference
     path: the same rule as ``flashmask_attention``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return None
-    reason = _checks.kernel_options_reason(softcap, sinks) or _checks.kernel_unsupported_reason(q, k, v)
+    reason = _checks.kernel_unsupported_reason(q, k, v)
     if reason is None and not _cuda.available():
         reason = _cuda.unavailable_reason()
     if reason is None:
@@ -53,17 +52,10 @@ def fwd(q, k, v, mask: Optional[torch.Tensor], scale: float, arch: Optional[int]
     """Non-causal attention of a block of rows: ``(out [B, n, Hq, Dv], lse [B, Hq, n])``; ``arch``
     from :func:`use_kernels` (None: the reference path); ``softcap`` and ``sinks`` (``[Hq]`` of these
     query heads) as :func:`flashmask.flashmask_attention`."""
-    options = softcap != 0.0 or sinks is not None
     with torch.no_grad():
         if arch is not None:
-            extra = (0, arch) if arch else ()  # (num_splits, arch) where a family is forced
-            if options:
-                extra = (0, arch, softcap, sinks)
-            return _cuda.fwd(q, k, v, mask, False, scale, False, *extra)
-        if options:
-            return reference_attention(q, k, v, mask, causal=False, softmax_scale=scale, softcap=softcap,
-                                       sinks=sinks)
-        return reference_attention(q, k, v, mask, causal=False, softmax_scale=scale)
+            return _cuda.fwd(q, k, v, mask, False, scale, False, 0, arch, softcap, sinks)
+        return reference_attention(q, k, v, mask, causal=False, softmax_scale=scale, softcap=softcap, sinks=sinks)
 
 
 def bwd(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], scale: float, arch: Optional[int],
@@ -72,11 +64,8 @@ def bwd(dout, q, k, v, out, lse, mask: Optional[torch.Tensor], scale: float, arc
     ``[Hq]`` of its heads, None without sinks)."""
     if arch is not None:
         with torch.no_grad():
-            extra = (arch,) if arch else ()
-            if softcap != 0.0 or sinks is not None:
-                extra = (arch, softcap, sinks)
             dq, dk, dv, dsinks = _cuda.bwd(dout.contiguous(), q, k, v, out, lse, None, mask, False, scale,
-                                           deterministic, *extra)
+                                           deterministic, arch, softcap, sinks)
             return dq, dk, dv, None if sinks is None else dsinks
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.enable_grad():

@@ -200,7 +200,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     softcap = _checks.softcap_value(softcap)
     _checks.check_sinks(sinks, q)
-    arch = _local.use_kernels(q, k, v, backend, softcap, sinks)  # None: the reference path
+    arch = _local.use_kernels(q, k, v, backend)  # None: the reference path
     groups = _head_groups(hk, head_groups)
     out, lse = _AllGatherKVAttention.apply(q, k, v, plan, scale, arch, bool(deterministic), groups, grad_dtype,
                                            softcap, sinks)

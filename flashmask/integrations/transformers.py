@@ -56,8 +56,7 @@ Attention logit soft-capping (the ``softcap`` argument: Gemma 2's ``attn_logit_s
 attention sinks (the ``s_aux`` argument: GPT-OSS's per-head ``sinks`` parameter, learnable) reach
 :func:`flashmask.flashmask_attention` as its ``softcap`` and ``sinks``, with the numerics of the
 models' eager attention: the cap on the scaled scores before the mask, the sink as one more logit
-of each row's softmax that carries no value. The CUDA kernels do not take either yet: those
-layers run on the reference path (with a one-time warning on a GPU).
+of each row's softmax that carries no value. The CUDA kernels take both.
 
 What is not supported raises ``NotImplementedError`` instead of computing something else:
 attention dropout > 0 in training, head masks, relative position biases, paged caches, chunked

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashmask
 import masks
-from flashmask import _checks, _cuda, flashmask_attention
+from flashmask import _cuda, flashmask_attention
 from flashmask.reference import reference_attention
 from masks.format import to_dense
 from tests.attn_helpers import TIGHT, dense_from_intervals, random_startend
@@ -239,16 +239,7 @@ def test_bad_sinks_raise(sinks, exc, match):
         flashmask_attention(q, k, v, sinks=sinks)
 
 
-# --- the choice of backend while the kernels lack the options ----------------------------------------------
-
-def test_kernel_backends_on_cpu_name_the_option():
-    q, k, v, sinks = _good()
-    with pytest.raises(RuntimeError, match=r"backend='cuda' cannot run: the kernels do not support logit "
-                                           r"soft-capping \(softcap\) yet"):
-        flashmask_attention(q, k, v, softcap=30.0, backend="cuda")
-    with pytest.raises(RuntimeError, match=r"backend='sm90' cannot run: .*attention sinks \(sinks\) yet"):
-        flashmask_attention(q, k, v, sinks=sinks, backend="sm90")
-
+# --- the kernels take both options ------------------------------------------------------------------------
 
 def _fake_cuda(*shape):
     return torch.empty(shape, device="cuda", dtype=torch.bfloat16)
@@ -269,51 +260,22 @@ def kernels_built(monkeypatch):
 
 @FAKE_ADDRESS
 @pytest.mark.parametrize("option", ["softcap", "sinks"])
-def test_kernel_reason_names_the_option_until_it_is_a_kernel_option(option, kernels_built, monkeypatch):
+def test_kernel_backends_take_the_options(option, kernels_built, monkeypatch):
+    """Both options reach the kernels' ops (here their fake implementations): no fallback, no warning."""
+    seen = []
+    real = _cuda.attention
+    monkeypatch.setattr(_cuda, "attention", lambda *args: seen.append(args[-2:]) or real(*args))
     with FakeTensorMode():
         q = _fake_cuda(1, 8, 4, 64)
         kw = {"softcap": 30.0} if option == "softcap" else {"sinks": torch.zeros(4, device="cuda")}
-        reason = _checks.kernel_options_reason(**kw)
-        assert reason is not None and f"({option})" in reason
-        assert _checks.kernel_unsupported_reason(q, q, q) is None  # the inputs themselves qualify
-        with pytest.raises(RuntimeError, match=rf"backend='sm80' cannot run: .*\({option}\) yet"):
-            flashmask_attention(q, q, q, causal=True, backend="sm80", **kw)
-        monkeypatch.setattr(_cuda, "KERNEL_OPTIONS", frozenset({option}))  # what the kernel work turns on
-        assert _checks.kernel_options_reason(**kw) is None
-        out = flashmask_attention(q, q, q, causal=True, backend="sm80", **kw)  # through the ops' fake kernels
-        assert out.shape == (1, 8, 4, 64)
-
-
-@FAKE_ADDRESS
-def test_auto_falls_back_to_the_reference_path_with_one_warning(kernels_built, monkeypatch):
-    ran = []
-
-    def reference(q, k, v, mask, causal, softmax_scale, softcap=0.0, sinks=None):  # on fake tensors
-        ran.append((softcap, sinks is not None))
-        return q.new_zeros(*q.shape[:3], v.shape[-1]), q.new_zeros(q.shape[0], q.shape[2], q.shape[1])
-
-    monkeypatch.setattr(flashmask.attention, "reference_attention", reference)
-    with FakeTensorMode():
-        q = _fake_cuda(1, 8, 4, 64)
-        sinks = torch.zeros(4, device="cuda")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(2):
-                flashmask_attention(q, q, q, causal=True, softcap=50.0)
-                flashmask_attention(q, q, q, causal=True, sinks=sinks)
-    assert ran == [(50.0, False), (0.0, True)] * 2
-    msgs = [str(w.message) for w in caught if "FakeTensor" not in str(w.message)]
-    assert len(msgs) == 2, msgs  # once per reason
-    assert "using the reference path" in msgs[0] and "(softcap)" in msgs[0]
-    assert "using the reference path" in msgs[1] and "(sinks)" in msgs[1]
-
-
-def test_direct_kernel_calls_with_an_option_raise():
-    q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(RuntimeError, match="the kernels do not support sinks yet"):
-        _cuda.attention(q, q, q, None, True, 0.3, False, 0, 0, 0.0, torch.zeros(2))
-    with pytest.raises(RuntimeError, match="the kernels do not support softcap yet"):
-        _cuda.attention(q, q, q, None, True, 0.3, False, 0, 0, 30.0, None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*reference path")
+            for backend in ("sm80", "auto"):
+                out = flashmask_attention(q, q, q, causal=True, backend=backend, **kw)
+                assert out.shape == (1, 8, 4, 64)
+    assert len(seen) == 2
+    for softcap, sinks in seen:
+        assert softcap == kw.get("softcap", 0.0) and (sinks is not None) == (option == "sinks")
 
 
 # --- the custom ops: fake shapes, autograd glue, torch.compile ----------------------------------------------
@@ -366,8 +328,7 @@ def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=Fa
 
 
 @pytest.fixture
-def cpu_kernels_with_options(monkeypatch):
-    monkeypatch.setattr(_cuda, "KERNEL_OPTIONS", frozenset({"softcap", "sinks"}))
+def cpu_kernels_with_options():
     with torch.library._scoped_library("flashmask", "IMPL") as lib:
         lib.impl("fwd", cpu_fwd, "CPU")
         lib.impl("bwd", cpu_bwd, "CPU")

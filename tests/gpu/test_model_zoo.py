@@ -2,12 +2,8 @@
 at its attention shape (head dims 64, 96, 128, 256 and DeepSeek-V3's (192, 128), GQA, sliding and
 global layers with a 256-token window, Gemma 2's soft-capping, GPT-OSS's sinks), against eager.
 
-Where the kernels take every option a family's layers use, its attention is forced onto them
-(backend="cuda": a fallback to the reference path raises). Soft-capping and sinks are not kernel
-options yet (flashmask._cuda.KERNEL_OPTIONS): Gemma 2 and GPT-OSS then run with backend="auto", and
-the tests assert that every call fell back to the reference path with the one-time warning naming
-the option (and, separately, that backend="cuda" raises naming it). Once the kernels list an option,
-the same tests force its families onto them.
+Every family's attention is forced onto the kernels (backend="cuda": a fallback to the reference
+path raises), soft-capping and sinks included.
 
 Tolerance as in tests/gpu/test_transformers_mla.py: against a float32 oracle (the same bf16-rounded
 weights, eager), the error of the flashmask run must stay within twice the error of plain bf16
@@ -16,7 +12,6 @@ layer): a mixture of experts would route a token differently on a bf16 rounding 
 is compared here, the attention.
 """
 import copy
-import warnings
 
 import pytest
 import torch
@@ -24,7 +19,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 transformers = pytest.importorskip("transformers")
 
-import flashmask  # noqa: E402
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask import _cuda  # noqa: E402
 from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
@@ -48,52 +42,29 @@ OVERRIDES = {
 }
 
 
-def options_of(family):
-    s = model_zoo.SHAPES[family]
-    return [name for name, used in (("softcap", s["softcap"] > 0), ("sinks", s["sinks"])) if used]
-
-
-def on_kernels(family):
-    return all(o in _cuda.KERNEL_OPTIONS for o in options_of(family))
-
-
 @pytest.fixture
 def family_calls(monkeypatch):
-    """Routes the backend's attention calls: to the kernels (backend="cuda") where they take every option
-    of the call, else to backend="auto", recording the warnings. Returns a list of (where, warning texts)."""
+    """Forces the backend's attention calls onto the kernels (backend="cuda") and counts them."""
     if not _cuda.available():
         pytest.skip(_cuda.unavailable_reason())
     calls = []
     real = fm_hf.flashmask_attention
-    monkeypatch.setattr(flashmask.attention, "_warned", set())
 
     def route(*args, **kwargs):
-        used = [o for o, on in (("softcap", kwargs.get("softcap")), ("sinks", kwargs.get("sinks") is not None)) if on]
-        if all(o in _cuda.KERNEL_OPTIONS for o in used):
-            calls.append(("kernels", []))
-            return real(*args, backend="cuda", **kwargs)
-        flashmask.attention._warned.clear()  # the one-time warning, once per call here
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = real(*args, **kwargs)
-        calls.append(("reference", [str(w.message) for w in caught]))
-        return out
+        calls.append(kwargs)
+        return real(*args, backend="cuda", **kwargs)
 
     monkeypatch.setattr(fm_hf, "flashmask_attention", route)
     return calls
 
 
 def check_routing(family, calls, layers=2):
-    """Every layer's call went where it should: the kernels, or the reference path with the warning that
-    names the option the kernels lack."""
+    """Every layer's call reached the kernels with the family's options."""
     assert len(calls) >= layers, calls
-    if on_kernels(family):
-        assert all(where == "kernels" for where, _ in calls), calls
-        return
-    for where, msgs in calls:
-        assert where == "reference"
-        assert any("using the reference path" in m and any(f"({o})" in m for o in options_of(family))
-                   for m in msgs), msgs
+    s = model_zoo.SHAPES[family]
+    for kw in calls:
+        assert kw.get("softcap", 0.0) == s["softcap"], (family, kw.get("softcap"))
+        assert (kw.get("sinks") is not None) == bool(s["sinks"]), family
 
 
 def skip_without_kernels(family):
@@ -176,21 +147,3 @@ def test_packed_sft_bf16_gradients_match_separate_documents(family, family_calls
         m16.train(), m32.train(), docs_for(4, 6, 50, 600), NAME, "eager",
         after_packed=lambda: check_routing(family, family_calls),
         on_grads=assert_sinks_have_grads)
-
-
-@pytest.mark.parametrize("family", [f for f in FAMILIES if options_of(f)])
-def test_forced_kernels_name_the_option_they_lack(family):
-    """backend="cuda" on a layer with soft-capping or sinks: a clear error while the kernels lack it."""
-    if on_kernels(family):
-        pytest.skip(f"the kernels take {options_of(family)}")
-    skip_without_kernels(family)
-    if not _cuda.available():
-        pytest.skip(_cuda.unavailable_reason())
-    s = model_zoo.SHAPES[family]
-    q = torch.randn(1, 64, s["hq"], s["dqk"], device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 64, s["hk"], s["dqk"], device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, 64, s["hk"], s["dv"], device="cuda", dtype=torch.bfloat16)
-    kw = {"softcap": s["softcap"]} if s["softcap"] else {"sinks": torch.zeros(s["hq"], device="cuda")}
-    option = options_of(family)[0]
-    with pytest.raises(RuntimeError, match=rf"backend='cuda' cannot run: the kernels do not support .*\({option}\)"):
-        flashmask.flashmask_attention(q, k, v, causal=True, backend="cuda", **kw)

@@ -89,6 +89,7 @@ from benchmarks.methods import Skip
 from benchmarks.output import default_out_dir, environment, write_results
 from benchmarks.report import fmt_len, format_table, shorten, table_cell
 from benchmarks.timing import sync
+from flashmask.losses import final_logit_softcap
 from training_examples.byte_tokenizer import VOCAB_SIZE
 from training_examples.models import ARCHS, DEFAULT_SIZE, WINDOW_ARCHS, arch_sizes, attention_options
 from training_examples.models import build_model as build_preset
@@ -573,7 +574,7 @@ def train_step(model, opt, batch: dict, mask_kw: dict, args) -> torch.Tensor:
     else:
         hidden = model.get_decoder()(**inputs).last_hidden_state
         loss = chunked_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], args.loss_chunk,
-                               getattr(model.config, "final_logit_softcapping", None))
+                               final_logit_softcap(model))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -15,6 +15,15 @@ different methods on one row compare their times directly.
 gradients): backward rows only (its forward is the default one), next to ``flashmask`` so that the
 cost of deterministic mode can be read off the table (``det ms``, ``det cost``).
 
+``--softcap X`` (logit soft-capping, Gemma 2) and ``--sinks`` (random float32 attention sinks
+``[H]``, a leaf requiring grad whose gradient the backward modes compute, GPT-OSS) give every method
+the same option where it can express it: flashmask its ``softcap`` / ``sinks``; FlexAttention a
+``score_mod`` returning ``softcap * tanh(s / softcap)`` (it gets ``s`` already multiplied by the
+scale, as flashmask caps the scaled score) and, for sinks, its output times ``sigmoid(lse - sink)``
+(exact: ``exp(lse) / (exp(lse) + exp(sink))`` is the share of the row's denominator that its keys
+hold), compiled with it. SDPA can express neither: ``n/a`` rows with that reason. The FLOPs stay
+those of the two GEMMs.
+
 Example::
 
     python -m benchmarks.bench_kernels                      # 12 families x 8K, 32K x fwd, fwd+bwd
@@ -23,10 +32,13 @@ Example::
     python -m benchmarks.bench_kernels --methods flashmask,flashmask_det --modes bwd,fwdbwd
     python -m benchmarks.bench_kernels --heads 16 --kv-heads 4 --modes bwd   # GQA, 4 query heads a group
     python -m benchmarks.bench_kernels --head-dims 192 --head-dim-v 128      # DeepSeek-V3's MLA head dims
+    python -m benchmarks.bench_kernels --head-dims 256 --softcap 50 --methods flashmask,flex   # Gemma 2
+    python -m benchmarks.bench_kernels --head-dims 64 --sinks --methods flashmask,flex         # GPT-OSS
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -42,13 +54,14 @@ from benchmarks.flops import total_pairs
 from benchmarks.methods import ALL_METHODS, METHODS, Options, Problem, method_modes, release, try_prepare
 from benchmarks.output import default_out_dir, environment, pyplot, write_results
 from benchmarks.report import fmt_len, format_table, table_cell
-from benchmarks.timing import MODES, make_inputs, try_time
+from benchmarks.timing import MODES, make_inputs, make_sinks, try_time
 
 DEFAULT_METHODS = ",".join(METHODS)
 MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
-FIELDS = ("family", "seqlen", "head_dim", "head_dim_v", "heads", "kv_heads", "batch", "mode", "method", "status",
-          "density", "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
-FLOP_CONVENTION = "fwd=2*B*H*(Dqk+Dv)*pairs (4*B*H*D*pairs with equal head dims), bwd=2.5x, fwd+bwd=3.5x"
+FIELDS = ("family", "seqlen", "head_dim", "head_dim_v", "heads", "kv_heads", "batch", "softcap", "sinks", "mode",
+          "method", "status", "density", "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
+FLOP_CONVENTION = ("fwd=2*B*H*(Dqk+Dv)*pairs (4*B*H*D*pairs with equal head dims), bwd=2.5x, fwd+bwd=3.5x; "
+                   "softcap and sinks add none")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key/value heads, a divisor of --heads (GQA: flashmask sums dK and dV over each group; "
                         "Flex and SDPA take enable_gqa); default: as many as --heads")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="logit soft-capping (Gemma 2: 50): each scaled score s becomes softcap * tanh(s / softcap); "
+                        "0 = off. flashmask's softcap, a score_mod for FlexAttention; SDPA cannot (n/a rows)")
+    p.add_argument("--sinks", action="store_true",
+                   help="attention sinks (GPT-OSS): random float32 [heads], learnable (their gradient is in the bwd "
+                        "modes). flashmask's sinks; FlexAttention's output renormalised by its LSE; SDPA cannot "
+                        "(n/a rows)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--methods", default=DEFAULT_METHODS,
@@ -101,6 +121,8 @@ def parse_args(argv=None):
         args.methods = parse_choice_list(args.methods, ALL_METHODS, "methods")
     except ValueError as e:
         parser.error(str(e))
+    if not (math.isfinite(args.softcap) and args.softcap >= 0):
+        parser.error(f"--softcap must be a finite float >= 0 (0 = off), got {args.softcap}")
     if args.head_dim_v is not None and args.head_dim_v < 1:
         parser.error(f"--head-dim-v must be a positive int, got {args.head_dim_v}")
     if args.kv_heads is None:
@@ -206,9 +228,15 @@ def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=
          host=None, notes=""):
     dv = d if args.head_dim_v is None else args.head_dim_v
     return {"family": fam, "seqlen": s, "head_dim": d, "head_dim_v": dv, "heads": args.heads, "kv_heads": args.kv_heads,
-            "batch": args.batch, "mode": mode,
+            "batch": args.batch, "softcap": args.softcap, "sinks": args.sinks, "mode": mode,
             "method": method, "status": status, "density": density, "pairs": pairs, "ms": ms, "tflops": tflops,
             "mask_build_ms": build_ms, "first_call_s": first, "host_ms": host, "notes": notes}
+
+
+def options_label(args, prefix: str = "") -> str:
+    """``softcap 50, sinks`` (after ``prefix``) for a run with those options, else ""."""
+    opts = ([f"softcap {args.softcap:g}"] if args.softcap else []) + (["sinks"] if args.sinks else [])
+    return prefix + ", ".join(opts) if opts else ""
 
 
 def _progress(i, total, r):
@@ -236,7 +264,7 @@ def run(args) -> list:
             "env": environment(device), "flop_convention": FLOP_CONVENTION}
     env = meta["env"]
     print(f"device {env.get('gpu', device)} | torch {env['torch']} | triton {env['triton']} | flashmask kernels "
-          f"{env.get('flashmask_kernels')}", flush=True)
+          f"{env.get('flashmask_kernels')}" + options_label(args, " | "), flush=True)
 
     rows: list = []
     configs = [(f, s, d) for f in args.families for s in args.seqlens for d in args.head_dims]
@@ -261,12 +289,13 @@ def run(args) -> list:
             density = pairs / (args.batch * args.heads * s * s)
             tensors = make_inputs(args.batch, s, args.heads, d, dtype, device, seed=args.seed + ci,
                                   kv_heads=args.kv_heads, head_dim_v=args.head_dim_v)
+            sinks = make_sinks(args.heads, device, seed=args.seed + ci) if args.sinks else None
             setup_error = None
         except Exception as e:
             setup_error = {"status": status_of(e), "notes": f"setup: {format_error(e)}",
                            "fatal": is_fatal_cuda_error(e)}
         if setup_error is not None:
-            startend = tensors = None
+            startend = tensors = sinks = None
             cleanup()
             for method in args.methods:
                 for mode in method_modes(method, args.modes):
@@ -278,7 +307,7 @@ def run(args) -> list:
         print(f"== {fam} S={fmt_len(s)} D={d}{dv_note}: causal={causal} C={startend.shape[-1]} density "
               f"{density:.4f}", flush=True)
         problem = Problem(startend, causal, args.batch, args.heads, d, s, dtype, device, args.kv_heads,
-                          head_dim_v=args.head_dim_v)
+                          head_dim_v=args.head_dim_v, softcap=args.softcap, sinks=sinks)
         for method in args.methods:
             if fatal:
                 break
@@ -309,7 +338,7 @@ def run(args) -> list:
             release(prep)
             prep = None
             cleanup(collect=False)
-        problem = tensors = startend = None
+        problem = tensors = startend = sinks = None
         cleanup()
         write_results(args.out, "kernels", rows, FIELDS, meta)  # partial results survive a crash
     if fatal:
@@ -318,6 +347,8 @@ def run(args) -> list:
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     csv_path, json_path = write_results(args.out, "kernels", rows, FIELDS, meta)
     print()
+    if options_label(args):
+        print(options_label(args, "every row: "))
     print(summary_table(rows))
     print(f"\n{len(rows)} rows in {meta['elapsed_s']:.0f} s -> {csv_path}, {json_path}")
     if args.plot and rows:

@@ -3,9 +3,13 @@
 A randomly initialised transformers model (``training_examples.models.build_model``; ``--arch
 llama|qwen2`` presets ``0.5b`` = Qwen2-0.5B shape, ``1b`` = Llama-3.2-1B shape, ``3b`` =
 Llama-3.2-3B shape (head dim 128); ``--arch gemma3`` preset ``1b`` = Gemma-3-1B shape (head dim
-256, a 512-token sliding window on 5 layers of 6); ``--arch deepseek_v3`` presets ``16h`` / ``32h``
-= DeepSeek-V3's multi-head latent attention with 16 / 32 heads (q/k head dim 192, v head dim 128)
-and dense MLPs; ``tiny`` of each for CPU tests; ``--layers`` sets the depth) trains with
+256, a 512-token sliding window on 5 layers of 6); ``--arch gemma2`` preset ``2b`` = Gemma-2-2B's
+widths (head dim 256, logit soft-capping 50 on the scores and 30 on the final logits, a 4096-token
+window on every other layer) with 8 layers; ``--arch gpt_oss`` preset ``20b`` = GPT-OSS-20B's
+widths (head dim 64, attention sinks, a 128-token window on every other layer) with 8 layers and
+one expert (a dense MLP); ``--arch deepseek_v3`` presets ``16h`` / ``32h`` = DeepSeek-V3's
+multi-head latent attention with 16 / 32 heads (q/k head dim 192, v head dim 128) and dense MLPs;
+``tiny`` of each for CPU tests; ``--layers`` sets the depth) trains with
 AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
 exactly the context length by :class:`flashmask.data.PackedSFTCollator` (``position_ids`` restart
 at every document, label ``-100`` on every document's first token, and the causal-document mask
@@ -21,7 +25,16 @@ batches under the same mask:
 * ``flex``: ``attn_implementation="flex_attention"`` with a ``BlockMask`` made by
   ``create_block_mask`` from a ``mask_mod`` read from the same ``startend_row_indices``
   (``--flex-mask position_ids``: transformers builds the packed block mask itself from the
-  restarting ``position_ids``, checked against ours before timing).
+  restarting ``position_ids``, checked against ours before timing);
+* ``eager_dense``: ``attn_implementation="eager"`` (the scores materialised) with the additive
+  masks of ``sdpa_dense``; "does not fit" when the masks and two ``[B, H, S, S]`` tensors of one
+  layer would take more than ``--dense-mem-fraction`` of the free memory.
+
+Gemma 2 and GPT-OSS: transformers runs their soft-capping and sinks with eager attention and
+flex_attention (a ``score_mod``; the sinks by renormalising the output with the LSE), and refuses
+SDPA, which can compute neither: ``sdpa_dense`` is an ``n/a`` row for them, and their default
+methods are flashmask, flex and eager_dense. The chunked loss applies the final logit
+soft-capping as the model's own head does.
 
 A model whose layers attend differently (Gemma 3: a causal sliding window on its sliding layers,
 global attention on the others; Qwen2 with ``--sliding-window``) gets the window on top of the
@@ -49,6 +62,8 @@ Examples::
     python -m benchmarks.bench_train --methods flashmask,flex --seqlens 8k,32k,64k --steps 10
     python -m benchmarks.bench_train --arch gemma3 --seqlens 32k,128k --methods flashmask,flex \
         --doc-len 8192,32768 --gradient-checkpointing --steps 3 --warmup-steps 2
+    python -m benchmarks.bench_train --arch gemma2 --seqlens 8k,32k --gradient-checkpointing  # + eager, flex
+    python -m benchmarks.bench_train --arch gpt_oss --seqlens 8k,32k --gradient-checkpointing
 """
 from __future__ import annotations
 
@@ -66,7 +81,7 @@ import torch
 
 from benchmarks.cli import DTYPES, add_testing_args, parse_choice_list, parse_int_list
 from benchmarks.cuda_memory import cleanup, peak_since, reset_peak
-from benchmarks.dense_masks import dense_fit, dense_mask
+from benchmarks.dense_masks import dense_fit, dense_mask, eager_fit
 from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
 from benchmarks.flex import FLEX_MASK_MODS, build_block_mask, configure_dynamo
 from benchmarks.flops import total_pairs
@@ -74,13 +89,21 @@ from benchmarks.methods import Skip
 from benchmarks.output import default_out_dir, environment, write_results
 from benchmarks.report import fmt_len, format_table, shorten, table_cell
 from benchmarks.timing import sync
+from flashmask.losses import final_logit_softcap
 from training_examples.byte_tokenizer import VOCAB_SIZE
-from training_examples.models import ARCHS, DEFAULT_SIZE, arch_sizes
+from training_examples.models import ARCHS, DEFAULT_SIZE, WINDOW_ARCHS, arch_sizes
 from training_examples.models import build_model as build_preset
 
-TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex")
+TRAIN_METHODS = ("flashmask", "sdpa_dense", "flex", "eager_dense")
 # The transformers attn_implementation of each method (fm_colmask: flashmask.integrations.transformers).
-ATTN_IMPLEMENTATION = {"flashmask": "fm_colmask", "sdpa_dense": "sdpa", "flex": "flex_attention"}
+ATTN_IMPLEMENTATION = {"flashmask": "fm_colmask", "sdpa_dense": "sdpa", "flex": "flex_attention",
+                       "eager_dense": "eager"}
+# The methods of a run without --methods: the attention implementations transformers runs each model with.
+DEFAULT_METHODS = {"gemma2": ("flashmask", "flex", "eager_dense"), "gpt_oss": ("flashmask", "flex", "eager_dense")}
+OTHER_DEFAULT_METHODS = ("flashmask", "sdpa_dense", "flex")
+# Models whose attention SDPA cannot compute: transformers refuses attn_implementation="sdpa" for them.
+NO_SDPA = {"gemma2": "SDPA has no logit soft-capping (Gemma 2's attn_logit_softcapping)",
+           "gpt_oss": "SDPA has no attention sinks (GPT-OSS's s_aux: its sdpa path would drop them)"}
 FIELDS = ("model", "params", "seqlen", "batch", "method", "attn_implementation", "status", "find_max",
           "tokens_per_s", "ms_per_step", "ms_min", "mask_ms", "peak_mem_gib", "peak_mem_bytes", "first_step_s",
           "loss_first", "loss_last", "docs_per_row", "density", "notes")
@@ -113,12 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers (default: the preset's; gemma3 keeps one global layer in 6, so with fewer "
                         "than 6 layers every layer slides)")
     p.add_argument("--sliding-window", type=int, default=None,
-                   help="gemma3: the window of its sliding layers (default the preset's); qwen2: a window on every "
-                        "layer")
+                   help="gemma2, gemma3, gpt_oss: the window of their sliding layers (default the preset's); qwen2: a "
+                        "window on every layer")
     p.add_argument("--vocab-size", type=int, default=32000, help="embedding and LM head rows (>= 320)")
     p.add_argument("--seqlens", default="8192,32768", help="context lengths (tokens per packed row); 'k' = 1024")
     p.add_argument("--batch", type=int, default=1, help="packed rows per step")
-    p.add_argument("--methods", default=",".join(TRAIN_METHODS), help=f"comma list of {', '.join(TRAIN_METHODS)}")
+    p.add_argument("--methods", default=None,
+                   help=f"comma list of {', '.join(TRAIN_METHODS)}; default: {','.join(OTHER_DEFAULT_METHODS)}, and "
+                        f"{','.join(DEFAULT_METHODS['gemma2'])} for gemma2 and gpt_oss (which SDPA cannot run)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (compilation, allocator)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
@@ -134,9 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for each method, double the context from the largest --seqlens until a step fails")
     p.add_argument("--max-seqlen", type=int, default=MAX_SEQLEN, help="upper bound of --find-max")
     p.add_argument("--dense-mask", default="additive", choices=["additive", "bool"],
-                   help="sdpa_dense: the 4-D mask given to the model (bool: SDPA makes an additive copy per call)")
+                   help="sdpa_dense: the 4-D mask given to the model (bool: SDPA makes an additive copy per call); "
+                        "eager_dense always gets the additive one (eager attention adds the mask to the scores)")
     p.add_argument("--dense-mem-fraction", type=float, default=0.5,
-                   help="sdpa_dense runs only if its S^2 mask fits in this share of the free memory")
+                   help="sdpa_dense runs only if its S^2 masks fit in this share of the free memory, eager_dense "
+                        "only if its masks and one layer's S^2 attention weights do")
     p.add_argument("--flex-mask", default="block_mask", choices=["block_mask", "position_ids"],
                    help="flex: pass a BlockMask built from the library mask, or only position_ids (transformers "
                         "builds the packed block mask inside the forward)")
@@ -156,7 +183,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     try:
         args.seqlens = parse_int_list(args.seqlens)
-        args.methods = parse_choice_list(args.methods, TRAIN_METHODS, "methods")
+        methods = DEFAULT_METHODS.get(args.arch, OTHER_DEFAULT_METHODS)
+        args.methods = parse_choice_list(args.methods or ",".join(methods), TRAIN_METHODS, "methods")
         args.doc_len = parse_int_list(args.doc_len)
     except ValueError as e:
         parser.error(str(e))
@@ -178,9 +206,9 @@ def parse_args(argv=None):
                      f"{sorted(sizes)}")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
-    if args.sliding_window is not None and (args.arch not in ("gemma3", "qwen2") or args.sliding_window < 1):
-        parser.error(f"--sliding-window takes a value >= 1 with --arch gemma3 or qwen2, got {args.sliding_window} "
-                     f"with --arch {args.arch}")
+    if args.sliding_window is not None and (args.arch not in WINDOW_ARCHS or args.sliding_window < 1):
+        parser.error(f"--sliding-window takes a value >= 1 with --arch {', '.join(WINDOW_ARCHS)}, got "
+                     f"{args.sliding_window} with --arch {args.arch}")
     if args.flex_no_compile:
         args.flex_block_mask = "eager"  # transformers compiles flex_attention itself in any case
     if args.out is None:
@@ -297,6 +325,7 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
     if windows is not None:
         notes.append("sliding window " + str(windows["sliding_attention"]) + " on "
                      + f"{cfg.layer_types.count('sliding_attention')}/{len(cfg.layer_types)} layers")
+    notes += option_notes(method, model)
     if method == "flashmask":
         import flashmask
         from flashmask import _checks
@@ -321,6 +350,14 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
         if not fits:
             raise Skip(note + ("" if n_masks == 1 else f"; one mask per layer type: {n_masks}"))
         notes.append(f"{args.dense_mask} mask" + ("" if n_masks == 1 else f" per layer type ({n_masks})"))
+    elif method == "eager_dense":
+        n_masks = 1 if windows is None else len(windows)
+        fits, note = eager_fit(args.batch, cfg.num_attention_heads, n_masks, seqlen, seqlen, dtype, device,
+                               args.dense_mem_fraction)
+        if not fits:
+            raise Skip(note)
+        notes.append("additive mask" + ("" if n_masks == 1 else f" per layer type ({n_masks})")
+                     + "; S^2 attention weights per layer")
     elif method == "flex":
         from transformers.utils import is_torch_flex_attn_available
         if not is_torch_flex_attn_available():
@@ -333,12 +370,31 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
     return notes
 
 
+def option_notes(method: str, model) -> List[str]:
+    """What the row's method does with the model's soft-capping and attention sinks (every method
+    offered computes them: SDPA, which cannot, is n/a for such models)."""
+    cfg = model.config
+    notes = []
+    if getattr(cfg, "attn_logit_softcapping", None):
+        how = {"flex": " (score_mod)", "eager_dense": " (tanh on the scores)"}.get(method, "")
+        notes.append(f"attention softcap {cfg.attn_logit_softcapping:g}{how}")
+    if getattr(cfg, "final_logit_softcapping", None):
+        notes.append(f"final logit softcap {cfg.final_logit_softcapping:g}")
+    if any(n.endswith("self_attn.sinks") for n, _ in model.named_parameters()):
+        how = {"flex": " (output renormalised by the LSE, after the kernel)",
+               "eager_dense": " (an extra softmax column)"}.get(method, "")
+        notes.append(f"sinks{how}")
+    return notes
+
+
 def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: torch.dtype,
                 windows: Optional[dict] = None) -> dict:
     """The mask arguments of the model for one batch (on ``device``), built as the method needs.
 
-    ``windows`` (:func:`layer_windows`): sdpa_dense and flex then pass ``attention_mask`` as a dict
-    ``{layer type: mask}``; flashmask's backend gets the window from the model in every layer.
+    ``windows`` (:func:`layer_windows`): sdpa_dense, eager_dense and flex then pass
+    ``attention_mask`` as a dict ``{layer type: mask}``; flashmask's backend gets the window from
+    the model in every layer. eager_dense gets the additive mask whatever ``--dense-mask`` says:
+    eager attention adds the mask to the scores.
     """
     from flashmask.data import MASK_KEY
     startend = batch[MASK_KEY]
@@ -347,11 +403,13 @@ def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: tor
         return {MASK_KEY: startend}
     if method == "flex" and args.flex_mask == "position_ids":
         return {}
-    if method not in ("sdpa_dense", "flex"):
+    if method not in ("sdpa_dense", "eager_dense", "flex"):
         raise ValueError(f"unknown method {method!r}; choose from {TRAIN_METHODS}")
     out = {}
     for layer_type, se in layer_startends(startend, windows).items():
-        if method == "sdpa_dense":
+        if method == "eager_dense":
+            out[layer_type] = dense_mask(se, True, s, dtype=dtype)
+        elif method == "sdpa_dense":
             out[layer_type] = dense_mask(se, True, s, dtype=dtype if args.dense_mask == "additive" else torch.bool)
         else:
             mm = FLEX_MASK_MODS.get(se, True, s, None, tag=layer_type)
@@ -483,20 +541,25 @@ def check_layer_masks(method: str, model, args, seqlen: int, device: torch.devic
     return f"masks checked on a {s}-token row" + ("" if windows is None else " per layer type")
 
 
-def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor):
+def _ce_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+            softcap: Optional[float] = None):
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 
-def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_lm_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int,
+                    softcap: Optional[float] = None) -> torch.Tensor:
     """The causal-LM loss of transformers (labels shifted inside, mean over labels != -100, logits
-    in float32), computed ``chunk`` tokens at a time with the logits recomputed in backward."""
+    in float32), computed ``chunk`` tokens at a time with the logits recomputed in backward.
+    ``softcap``: the model's final logit soft-capping (Gemma 2: ``softcap * tanh(logits / softcap)``)."""
     from torch.utils.checkpoint import checkpoint
     y = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
     h = hidden.reshape(-1, hidden.shape[-1])
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        total = total + checkpoint(_ce_sum, h[i:i + chunk], head.weight, head.bias, y[i:i + chunk],
+        total = total + checkpoint(_ce_sum, h[i:i + chunk], head.weight, head.bias, y[i:i + chunk], softcap,
                                    use_reentrant=False)
     return total / (y != -100).sum().clamp_min(1)
 
@@ -507,7 +570,8 @@ def train_step(model, opt, batch: dict, mask_kw: dict, args) -> torch.Tensor:
         loss = model(labels=batch["labels"], **inputs).loss
     else:
         hidden = model.get_decoder()(**inputs).last_hidden_state
-        loss = chunked_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], args.loss_chunk)
+        loss = chunked_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], args.loss_chunk,
+                               final_logit_softcap(model))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -522,6 +586,8 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
             where: dict) -> dict:
     """Train ``method`` on ``batches`` (warmup + timed); returns the measured fields. ``where['stage']``
     says how far it got (for the message of an exception)."""
+    if method == "sdpa_dense" and args.arch in NO_SDPA:
+        raise Skip(f"{NO_SDPA[args.arch]}; transformers refuses attn_implementation='sdpa' for this model")
     where["stage"] = "model"
     model = build_model(args, method, seqlen, device, dtype)
     params = sum(p.numel() for p in model.parameters())
@@ -529,7 +595,7 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
     notes = check_method(method, args, model, seqlen, device, dtype)
     windows = layer_windows(model.config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    if method in ("sdpa_dense", "flex"):
+    if method in ("sdpa_dense", "eager_dense", "flex"):
         where["stage"] = "checking the masks"
         notes.append(check_layer_masks(method, model, args, seqlen, device, dtype))
     if method == "flex" and args.flex_mask == "position_ids":

@@ -1,4 +1,5 @@
-"""Dense masks for SDPA, bool or additive, and whether one fits in the free memory."""
+"""Dense masks for SDPA, bool or additive, and whether one (with an eager attention's weights) fits
+in the free memory."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -30,6 +31,24 @@ def dense_fit(batch: int, mask_heads: int, seqlen_q: int, seqlen_k: int, dtype: 
     free = cuda_memory.free_memory_bytes(device)
     note += "" if free is None else f", {free / 1e9:.1f} GB free"
     if free is not None and need > fraction * free:
+        return False, f"does not fit ({note})"
+    return True, note
+
+
+def eager_fit(batch: int, heads: int, masks: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype,
+              device: torch.device, fraction: float = 0.5) -> Tuple[bool, str]:
+    """Whether an eager attention (the scores materialised) fits in ``fraction`` of the free memory:
+    ``masks`` additive ``[B, 1, Sq, Sk]`` masks in ``dtype``, plus the attention weights of one layer
+    counted as two ``[B, heads, Sq, Sk]`` tensors in ``dtype`` (the scores and the probabilities): a
+    lower bound, since a training step holds more of them. Returns ``(fits, note)``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n = dense_mask_bytes(batch, 1, seqlen_q, seqlen_k)
+    mask_bytes, weights = masks * n * size, 2 * heads * n * size
+    note = (f"{masks} S^2 additive mask(s) = {mask_bytes / 1e9:.1f} GB + one layer's attention weights >= "
+            f"{weights / 1e9:.1f} GB")
+    free = cuda_memory.free_memory_bytes(device)
+    note += "" if free is None else f", {free / 1e9:.1f} GB free"
+    if free is not None and mask_bytes + weights > fraction * free:
         return False, f"does not fit ({note})"
     return True, note
 

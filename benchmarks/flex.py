@@ -1,6 +1,8 @@
 """FlexAttention glue: a ``mask_mod`` giving exactly the mask of a ``startend_row_indices`` tensor,
 a cache that keeps compiled kernels reusable, the compiled ``flex_attention`` and block-mask
-builder, and the bytes a ``BlockMask`` holds. FlexAttention is imported where it is used."""
+builder, the bytes a ``BlockMask`` holds, and flashmask's ``softcap`` (a ``score_mod``) and
+``sinks`` (a renormalisation by the LSE) in FlexAttention's terms. FlexAttention is imported where
+it is used."""
 from __future__ import annotations
 
 import math
@@ -146,6 +148,63 @@ def compiled_flex_attention(compile: bool = True):
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
     return _COMPILED["flex"]
+
+
+_SOFTCAP_MODS: Dict[float, Callable] = {}
+
+
+def softcap_score_mod(softcap: float) -> Callable:
+    """A ``score_mod`` giving flashmask's ``softcap``: FlexAttention multiplies q.k by ``scale`` before
+    it calls ``score_mod`` (as flashmask applies ``softmax_scale`` first), so the score it gets is
+    ``s = (q.k) * scale`` and it returns ``softcap * tanh(s / softcap)``. One function per value, so
+    that ``torch.compile`` reuses its kernels from one call to the next."""
+    softcap = float(softcap)
+    if not softcap > 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite float > 0, got {softcap}")
+    if softcap not in _SOFTCAP_MODS:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+        _SOFTCAP_MODS[softcap] = score_mod
+    return _SOFTCAP_MODS[softcap]
+
+
+def sink_renorm(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks from attention without them: ``out`` ``[B, H, S, Dv]`` and its natural-log
+    LSE ``[B, H, S]``, ``sinks`` ``[H]``. A sink adds ``exp(sink_h)`` to each row's denominator only,
+    so ``out_sink = out * exp(lse) / (exp(lse) + exp(sink_h)) = out * sigmoid(lse - sink_h)``: exact,
+    and differentiable in out, lse and sinks. A row no key may attend (out 0, LSE -inf) stays 0."""
+    ct = torch.promote_types(out.dtype, torch.float32)  # float32 for bf16/fp16 outputs
+    w = torch.sigmoid(lse.to(ct) - sinks.to(ct).view(1, -1, 1))
+    return (out.to(ct) * w.unsqueeze(-1)).to(out.dtype)
+
+
+def _lse_request() -> dict:
+    """The keyword that makes flex_attention return its LSE (``return_aux`` since torch 2.9)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # pragma: no cover - older torch
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def flex_attention_with_sinks(q, k, v, sinks, *, block_mask=None, score_mod=None, enable_gqa=False,
+                              kernel_options=None):
+    """``flex_attention`` with attention sinks ``[Hq]``: its output renormalised by its LSE
+    (:func:`sink_renorm`). ``q, k, v`` ``[B, H, S, D]``."""
+    from torch.nn.attention.flex_attention import flex_attention
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
+                              kernel_options=kernel_options, **_lse_request())
+    return sink_renorm(out, getattr(aux, "lse", aux), sinks)
+
+
+def compiled_flex_attention_with_sinks(compile: bool = True):
+    """:func:`flex_attention_with_sinks` through ``torch.compile(dynamic=False)`` (the renormalisation
+    fused with what follows the kernel), made once; ``compile=False``: eager, for tests."""
+    if not compile:
+        return flex_attention_with_sinks
+    if "flex_sinks" not in _COMPILED:
+        _COMPILED["flex_sinks"] = torch.compile(flex_attention_with_sinks, dynamic=False)
+    return _COMPILED["flex_sinks"]
 
 
 def _compiled_create_block_mask():

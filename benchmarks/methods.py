@@ -1,6 +1,7 @@
 """The attention methods compared, behind one interface: :func:`prepare_method` returns a
 :class:`Prepared` whose ``attn(q, k, v)`` takes ``[B, S, H, D]`` tensors (v's head dim may differ
-from q's and k's) and returns ``[B, S, H, Dv]``."""
+from q's and k's) and returns ``[B, S, H, Dv]``, with the problem's soft-capping and attention
+sinks where the method can express them (:func:`option_refusal` says why not elsewhere)."""
 from __future__ import annotations
 
 import time
@@ -54,6 +55,8 @@ class Problem:
     device: torch.device
     kv_heads: Optional[int] = None  # GQA: fewer key/value heads than query heads (None: as many)
     head_dim_v: Optional[int] = None  # v's head dim when it differs from q's and k's (None: equal)
+    softcap: float = 0.0  # logit soft-capping (flashmask_attention's softcap; 0: off)
+    sinks: Optional[torch.Tensor] = None  # attention sinks [heads], float32, a leaf requiring grad
 
     @property
     def gqa(self) -> bool:
@@ -79,34 +82,51 @@ class Prepared:
     build_ms: Optional[float] = None  # time to build that representation
     notes: List[str] = field(default_factory=list)
     state: Dict[str, object] = field(default_factory=dict)  # tensors to drop when done
+    params: Tuple[torch.Tensor, ...] = ()  # more leaves attn reads (the sinks): differentiated in bwd modes
 
 
 def _bhsd(x):
     return x.transpose(1, 2)
 
 
+def option_refusal(method: str, p: Problem) -> Optional[str]:
+    """Why ``method`` cannot express the soft-capping or the sinks of ``p``, or None. SDPA (every
+    backend) has neither a hook on the scores nor a logit that only joins the denominator."""
+    if not method.startswith("sdpa"):
+        return None
+    missing = [what for what, used in (("logit soft-capping (softcap)", bool(p.softcap)),
+                                       ("attention sinks", p.sinks is not None)) if used]
+    if not missing:
+        return None
+    return f"SDPA cannot express {' or '.join(missing)}: no score modification, no denominator-only logit"
+
+
 def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
     """Build what ``method`` needs for the mask of ``p`` and return its attention callable.
 
     Raises :class:`Skip` when the method does not apply (e.g. flash/cuDNN SDPA with a mask other
-    than causal or none, or with a value head dim they do not take; a dense mask that does not fit).
+    than causal or none, or with a value head dim they do not take; a dense mask that does not fit;
+    SDPA with soft-capping or sinks).
     """
     sq = sk = p.seqlen
+    sinks, params = p.sinks, (() if p.sinks is None else (p.sinks,))
     if method in ("flashmask", "flashmask_det", "flashmask_sm80"):
         import flashmask
-        if opt.flashmask_backend == "cuda" and not flashmask.cuda.available():
-            raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
-        startend, causal, backend = p.startend, p.causal, opt.flashmask_backend
+        if opt.flashmask_backend == "cuda":
+            if not flashmask.cuda.available():
+                raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
+        startend, causal, backend, softcap = p.startend, p.causal, opt.flashmask_backend, p.softcap
         if method == "flashmask_sm80" and backend == "cuda":
             backend = "sm80"
         deterministic = method == "flashmask_det"
 
         def attn(q, k, v):
             return flashmask.flashmask_attention(q, k, v, startend, causal=causal, backend=backend,
-                                                 deterministic=deterministic)
+                                                 deterministic=deterministic, softcap=softcap, sinks=sinks)
 
         _, bn = fwd_tile(p.head_dim)
-        prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn))
+        prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn),
+                        params=params)
         return prep
 
     if method in ("flex", "flex_flash"):
@@ -119,20 +139,38 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         bm, how = flex.build_block_mask(mm, bm_batch, bm_heads, sq, sk, p.device, opt.flex_block_mask)
         sync(p.device)
         build_ms = (time.perf_counter() - t0) * 1e3
-        flex_attention = flex.compiled_flex_attention(opt.flex_compile)
-
         gqa = p.gqa
         options = {"BACKEND": "FLASH"} if method == "flex_flash" else None
+        # score_mod=None when soft-capping is off: the plain kernel, as without the option
+        score_mod = flex.softcap_score_mod(p.softcap) if p.softcap else None
+        if sinks is None:
+            flex_attention = flex.compiled_flex_attention(opt.flex_compile)
 
-        def attn(q, k, v):
-            return _bhsd(flex_attention(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm, enable_gqa=gqa,
-                                        kernel_options=options))
+            def attn(q, k, v):
+                return _bhsd(flex_attention(_bhsd(q), _bhsd(k), _bhsd(v), score_mod=score_mod, block_mask=bm,
+                                            enable_gqa=gqa, kernel_options=options))
+        else:
+            flex_sinks = flex.compiled_flex_attention_with_sinks(opt.flex_compile)
 
-        prep = Prepared(attn, mask_bytes=flex.block_mask_bytes(bm), build_ms=build_ms, state={"bm": bm})
+            def attn(q, k, v):
+                return _bhsd(flex_sinks(_bhsd(q), _bhsd(k), _bhsd(v), sinks, score_mod=score_mod, block_mask=bm,
+                                        enable_gqa=gqa, kernel_options=options))
+
+        prep = Prepared(attn, mask_bytes=flex.block_mask_bytes(bm), build_ms=build_ms, state={"bm": bm},
+                        params=params)
         prep.notes.append(f"block mask {how} {build_ms:.0f} ms")
+        if score_mod is not None:
+            prep.notes.append("softcap as score_mod")
+        if sinks is not None:
+            prep.notes.append("sinks as out * sigmoid(lse - sink)")
         return prep
 
     import torch.nn.functional as F
+    if method in ("sdpa_flash", "sdpa_cudnn") and not is_plain(p.startend, p.causal, sq):
+        raise Skip(f"{method} takes only causal or no mask", report=False)
+    refused = option_refusal(method, p)
+    if refused:
+        raise Skip(refused)
     if method == "sdpa_dense":
         hm = p.startend.shape[1]
         if hm not in (1, p.heads):
@@ -154,8 +192,6 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         return Prepared(attn, mask_bytes=dense.numel(), build_ms=build_ms, state={"dense": dense})
 
     if method in ("sdpa_flash", "sdpa_cudnn"):
-        if not is_plain(p.startend, p.causal, sq):
-            raise Skip(f"{method} takes only causal or no mask", report=False)
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = SDPBackend.FLASH_ATTENTION if method == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
         causal, gqa = p.causal, p.gqa

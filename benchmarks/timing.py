@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,8 +39,18 @@ def make_inputs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: torch
     return q, k, v, dout
 
 
-def make_step(attn: Callable, mode: str, q, k, v, dout) -> Callable:
-    """The function to time. ``bwd`` runs the forward once here, outside the timed function."""
+def make_sinks(heads: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Random float32 attention sinks ``[heads]`` (one logit per query head), a leaf requiring grad
+    as a learnable parameter is."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(heads, generator=g, device=device, dtype=torch.float32).requires_grad_(True)
+
+
+def make_step(attn: Callable, mode: str, q, k, v, dout, params: Sequence[torch.Tensor] = ()) -> Callable:
+    """The function to time. ``bwd`` runs the forward once here, outside the timed function.
+    ``params``: more leaves ``attn`` reads (attention sinks) whose gradients ``bwd`` and ``fwdbwd``
+    compute along with those of q, k and v."""
+    inputs = (q, k, v, *params)
     if mode == "fwd":
         qd, kd, vd = q.detach(), k.detach(), v.detach()  # no autograd state at all in the forward timing
 
@@ -51,11 +61,11 @@ def make_step(attn: Callable, mode: str, q, k, v, dout) -> Callable:
         out = attn(q, k, v)
 
         def step():
-            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            return torch.autograd.grad(out, inputs, dout, retain_graph=True)
     elif mode == "fwdbwd":
         def step():
             out = attn(q, k, v)
-            return torch.autograd.grad(out, (q, k, v), dout)
+            return torch.autograd.grad(out, inputs, dout)
     else:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
     return step
@@ -140,7 +150,7 @@ def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float
     q, k, v, dout = tensors
     sync(device)
     t0 = time.perf_counter()
-    step = make_step(prep.attn, mode, q, k, v, dout)
+    step = make_step(prep.attn, mode, q, k, v, dout, prep.params)
     r = step()
     del r
     sync(device)

@@ -1,4 +1,4 @@
-"""The models of the examples: a randomly initialised Llama, Qwen2, Gemma 3 or DeepSeek-V3 preset
+"""The models of the examples: a randomly initialised Llama, Qwen2, Gemma 2, Gemma 3, GPT-OSS or DeepSeek-V3 preset
 with the byte-level tokenizer (nothing downloaded), or a local Hugging Face causal LM directory (any
 family the flashmask backend runs: Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, GPT-OSS, DeepSeek-V3,
 ...; see the README's table); then activation checkpointing, chunked MLPs and, with several
@@ -33,6 +33,31 @@ GEMMA3_SIZES = {
                global_every=6),
 }
 
+# Gemma 2: head dim 256, grouped-query attention, logit soft-capping (50 on the attention scores, 30 on
+# the final logits), a causal sliding window on every other layer (layers 1, 3, ... counting from 1).
+GEMMA2_SIZES = {
+    # CPU tests: layer 0 slides, layer 1 attends globally
+    "tiny": dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, sliding_window=16,
+                 attn_softcap=50.0, final_softcap=30.0),
+    # Gemma-2-2B's widths and heads with 8 of its 26 layers (4 sliding, 4 global)
+    "2b": dict(hidden=2304, intermediate=9216, layers=8, heads=8, kv_heads=4, head_dim=256, sliding_window=4096,
+               attn_softcap=50.0, final_softcap=30.0),
+}
+
+# GPT-OSS: attention sinks (one learnable logit per query head), head dim 64, 8 query heads per
+# key/value head, a 128-token sliding window on every other layer, YaRN RoPE, biased projections.
+# Its mixture of experts is reduced to one expert, routed to by every token (top-1 of 1: a dense
+# MLP of GPT-OSS's clamped SwiGLU through the model's own expert code), so that routing and the
+# weights of 32 experts do not weigh on a comparison of attention backends.
+GPT_OSS_SIZES = {
+    # CPU tests: layer 0 slides, layer 1 attends globally
+    "tiny": dict(hidden=64, intermediate=64, layers=2, heads=8, kv_heads=2, head_dim=16, sliding_window=16,
+                 experts=1, experts_per_token=1),
+    # GPT-OSS-20B's widths and heads with 8 of its 24 layers (4 sliding, 4 global)
+    "20b": dict(hidden=2880, intermediate=2880, layers=8, heads=64, kv_heads=8, head_dim=64, sliding_window=128,
+                experts=1, experts_per_token=1),
+}
+
 # DeepSeek-V3 attention (multi-head latent attention: queries through a rank-1536 projection, keys
 # and values through a shared rank-512 latent; q/k head dim 128 + 64 RoPE = 192, v head dim 128)
 # with fewer heads than the real model's 128, e.g. the 16 (or 32) heads one GPU holds with 8-way
@@ -50,17 +75,24 @@ DEEPSEEK_V3_SIZES = {
 }
 
 _LLAMA_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
-ARCHS = ("llama", "qwen2", "gemma3", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "gpt_oss", "deepseek_v3")
 #: The preset each arch builds when no size is named.
-DEFAULT_SIZE = {"llama": "0.5b", "qwen2": "0.5b", "gemma3": "1b", "deepseek_v3": "16h"}
+DEFAULT_SIZE = {"llama": "0.5b", "qwen2": "0.5b", "gemma2": "2b", "gemma3": "1b", "gpt_oss": "20b",
+                "deepseek_v3": "16h"}
+#: The archs whose sliding window ``build_model(sliding_window=...)`` replaces (qwen2: adds one on every layer).
+WINDOW_ARCHS = ("qwen2", "gemma2", "gemma3", "gpt_oss")
 
 
 def arch_sizes(arch: str) -> dict:
     """The presets of ``arch``: name -> dict of its dimensions."""
     if arch in ("llama", "qwen2"):
         return {k: dict(zip(_LLAMA_FIELDS, v)) for k, v in MODEL_SIZES.items()}
+    if arch == "gemma2":
+        return GEMMA2_SIZES
     if arch == "gemma3":
         return GEMMA3_SIZES
+    if arch == "gpt_oss":
+        return GPT_OSS_SIZES
     if arch == "deepseek_v3":
         return DEEPSEEK_V3_SIZES
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
@@ -71,15 +103,21 @@ def gemma3_layer_types(layers: int, global_every: int) -> list:
     return ["full_attention" if (i + 1) % global_every == 0 else "sliding_attention" for i in range(layers)]
 
 
+def alternating_layer_types(layers: int) -> list:
+    """Gemma 2's and GPT-OSS's layer pattern: sliding on layers 1, 3, ... (from 1), global on 2, 4, ..."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
 def build_model(arch: str, size: str, *, attn_implementation: str, max_length: int, vocab_size: int,
                 dtype: torch.dtype, device, seed: int = 0, sliding_window: Optional[int] = None,
                 num_layers: Optional[int] = None):
     """A randomly initialised causal LM (transformers) of preset ``size`` of ``arch`` (see
     :func:`arch_sizes`), on ``device`` in ``dtype``.
 
-    ``sliding_window``: qwen2: a window of that many tokens on every layer; gemma3: replaces the
-    preset's window (its sliding layers stay the same). ``num_layers`` replaces the preset's depth
-    (gemma3 keeps its pattern: with fewer than ``global_every`` layers every layer slides).
+    ``sliding_window``: qwen2: a window of that many tokens on every layer; gemma2, gemma3, gpt_oss:
+    replaces the preset's window (its sliding layers stay the same). ``num_layers`` replaces the
+    preset's depth (gemma3 keeps its pattern: with fewer than ``global_every`` layers every layer
+    slides; gemma2 and gpt_oss alternate from a sliding layer).
     """
     import transformers
 
@@ -89,9 +127,9 @@ def build_model(arch: str, size: str, *, attn_implementation: str, max_length: i
     if num_layers is not None and int(num_layers) < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if sliding_window is not None:
-        if arch not in ("qwen2", "gemma3"):
-            raise ValueError(f"sliding_window={sliding_window}: only the qwen2 and gemma3 presets have sliding "
-                             f"windows, got arch {arch!r}")
+        if arch not in WINDOW_ARCHS:
+            raise ValueError(f"sliding_window={sliding_window}: only the {', '.join(WINDOW_ARCHS)} presets have "
+                             f"sliding windows, got arch {arch!r}")
         if int(sliding_window) < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     dims = sizes[size]
@@ -118,6 +156,26 @@ def build_model(arch: str, size: str, *, attn_implementation: str, max_length: i
             layer_types=gemma3_layer_types(layers, dims["global_every"]), attention_dropout=0.0,
             tie_word_embeddings=True, **tokens)
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "gemma2":
+        cfg = transformers.Gemma2Config(
+            hidden_size=dims["hidden"], intermediate_size=dims["intermediate"], num_hidden_layers=layers,
+            num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+            query_pre_attn_scalar=dims["head_dim"], sliding_window=sliding_window or dims["sliding_window"],
+            layer_types=alternating_layer_types(layers), attn_logit_softcapping=dims["attn_softcap"],
+            final_logit_softcapping=dims["final_softcap"], attention_dropout=0.0, tie_word_embeddings=True,
+            **tokens)
+        cls = transformers.Gemma2ForCausalLM
+    elif arch == "gpt_oss":
+        # RoPE: the config's default, the release's YaRN (factor 32 over 4096 positions, base 150K), with
+        # the release's 131072 positions, which that factor implies.
+        tokens["max_position_embeddings"] = max(max_length, 131072)
+        cfg = transformers.GptOssConfig(
+            hidden_size=dims["hidden"], intermediate_size=dims["intermediate"], num_hidden_layers=layers,
+            num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+            sliding_window=sliding_window or dims["sliding_window"], layer_types=alternating_layer_types(layers),
+            num_local_experts=dims["experts"], num_experts_per_tok=dims["experts_per_token"], attention_dropout=0.0,
+            tie_word_embeddings=False, **tokens)
+        cls = transformers.GptOssForCausalLM
     else:
         # Dense MLPs on every layer (first_k_dense_replace = layers); plain RoPE, not the release's YaRN.
         cfg = transformers.DeepseekV3Config(

@@ -208,9 +208,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     """``(dq, dk, dv, dsinks)``; dsinks is float32 ``[Hq]``, or empty ``[0]`` without sinks (a custom op
     cannot return None)."""
     # The LSE holds the sinks: the kernels' P needs nothing more of them.
-    dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
-                        arch, softcap)
-    return dq, dk, dv, sink_grad(dout, out, lse, dlse, sinks)
+    dq, dk, dv, dsum = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale,
+                              deterministic, arch, softcap)
+    return dq, dk, dv, sink_grad(lse, dsum, sinks)
 
 
 @bwd.register_fake
@@ -220,17 +220,15 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softm
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-              sinks: Optional[torch.Tensor]) -> torch.Tensor:
+def sink_grad(lse: torch.Tensor, dsum: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """The gradient of the sink logits, float32 ``[Hq]`` (empty ``[0]`` without sinks), from the
-    forward's output and LSE: each row gives its sink the weight ``p_sink = exp(sink_h - lse)``, so
-    ``dsinks[h] = sum over batch and rows of p_sink * (dlse - rowsum(dO * O))``."""
+    forward's LSE and the backward's row term ``dsum = rowsum(dO * O) - dlse`` (``[B, Hq, Sq]``, which
+    the kernels compute anyway): each row gives its sink the weight ``p_sink = exp(sink_h - lse)``, so
+    ``dsinks[h] = -sum over batch and rows of p_sink * dsum``."""
     if sinks is None:
         return lse.new_empty(0, dtype=torch.float32)
     p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse.float())  # [B, Hq, Sq]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # rowsum(dO * O), [B, Hq, Sq]
-    g = -delta if dlse is None else dlse.float() - delta
-    return (p_sink * g).sum((0, 2))
+    return -(p_sink * dsum.float()).sum((0, 2))
 
 
 def _setup_context(ctx, inputs, output):
@@ -256,9 +254,9 @@ def _grads(ctx, dout, dlse, bwd_op):
 
 def _eager_bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic, arch,
                softcap, sinks):
-    dq, dk, dv = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale, deterministic,
-                        arch, softcap)
-    return dq, dk, dv, sink_grad(dout, out, lse, dlse, sinks)
+    dq, dk, dv, dsum = _C.bwd(dout, q, k, v, out, lse, dlse, startend_row_indices, causal, softmax_scale,
+                              deterministic, arch, softcap)
+    return dq, dk, dv, sink_grad(lse, dsum, sinks)
 
 
 fwd.register_autograd(functools.partial(_grads, bwd_op=bwd), setup_context=_setup_context)

@@ -205,8 +205,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     return {out, lse};
 }
 
-// Returns {dq, dk, dv} shaped like q, k, v; dout and out are [B, Sq, Hq, Dv]. dlse (optional,
-// [B, Hq, Sq]) is the gradient reaching the returned LSE.
+// Returns {dq, dk, dv} shaped like q, k, v, and the row term D = rowsum(dO * O) - dlse [B, Hq, Sq]
+// float32; dout and out are [B, Sq, Hq, Dv]. dlse (optional, [B, Hq, Sq]) is the gradient reaching
+// the returned LSE.
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
                             const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
@@ -229,16 +230,13 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     at::Tensor dq = at::empty_like(q);
     at::Tensor dk = at::empty_like(k);
     at::Tensor dv = at::empty_like(v);
-    if (b == 0 || hq == 0 || sk == 0) {
+    if (b == 0 || hq == 0 || sk == 0 || sq == 0) {  // no key: O = 0, so D = -dlse
         dq.zero_();
         dk.zero_();
         dv.zero_();
-        return {dq, dk, dv};
-    }
-    if (sq == 0) {
-        dk.zero_();
-        dv.zero_();
-        return {dq, dk, dv};
+        at::Tensor dsum = at::zeros({b, hq, sq}, q.options().dtype(at::kFloat));
+        if (dlse.has_value()) dsum.sub_(*dlse);
+        return {dq, dk, dv, dsum};
     }
     const at::Tensor lse_c = lse.contiguous();
     TORCH_CHECK(lse_c.scalar_type() == at::kFloat && lse_c.dim() == 3 && lse_c.size(0) == b && lse_c.size(1) == hq &&
@@ -329,7 +327,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         at::sum_out(dk, dk_h.view({b, sk, hk, hq / hk, d}), 3);
         at::sum_out(dv, dv_h.view({b, sk, hk, hq / hk, d_v}), 3);
     }
-    return {dq, dk, dv};
+    // D, which the sinks' gradient reads (flashmask/_cuda.py sink_grad), without the padding.
+    return {dq, dk, dv, dsum.narrow(2, 0, sq)};
 }
 
 // Pins choices the library otherwise makes itself (api/overrides.h), for the tests; returns the

@@ -17,13 +17,13 @@ class FakeExtension:
     def __init__(self):
         self.calls, self.dlse = [], "unset"
 
-    def fwd(self, q, k, v, mask, causal, scale, num_splits, arch):
+    def fwd(self, q, k, v, mask, causal, scale, num_splits, arch, softcap, sinks):
         self.calls.append("fwd")
         with torch.no_grad():
             out, lse = reference_attention(q, k, v, mask, causal=causal, softmax_scale=scale)
         return [out, lse]
 
-    def bwd(self, dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic, arch):
+    def bwd(self, dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic, arch, softcap):
         self.calls.append("bwd")
         self.dlse = dlse
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -33,7 +33,10 @@ class FakeExtension:
             if dlse is not None:
                 loss = loss + (torch.where(torch.isfinite(ref_lse), ref_lse, 0) * dlse).sum()
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+        dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # D = rowsum(dO * O) - dlse
+        if dlse is not None:
+            dsum = dsum - dlse
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)] + [dsum]
 
 
 @pytest.fixture

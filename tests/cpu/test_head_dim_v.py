@@ -297,11 +297,12 @@ def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=Fa
 class CpuExtension:
     """_C's fwd and bwd on the CPU, for the eager path (_EagerAttention)."""
 
-    def fwd(self, q, k, v, mask, causal, scale, num_splits, arch):
-        return list(cpu_fwd(q, k, v, mask, causal, scale))
+    def fwd(self, q, k, v, mask, causal, scale, num_splits, arch, softcap, sinks):
+        return list(cpu_fwd(q, k, v, mask, causal, scale, softcap=softcap, sinks=sinks))
 
-    def bwd(self, dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic, arch):
-        return list(cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale)[:3])
+    def bwd(self, dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic, arch, softcap):
+        dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # D = rowsum(dO * O) (no dlse here)
+        return list(cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale)[:3]) + [dsum]
 
 
 def _check_kernel_path(attention, seed):

@@ -122,12 +122,12 @@ def test_sink_gradient_is_minus_p_sink_times_rowsum_of_do_o():
     p_sink = torch.exp(sinks.detach().view(1, -1, 1) - lse.detach())  # [B, Hq, Sq]
     rowsum = (dout * out.detach()).sum(-1).transpose(1, 2)  # rowsum(dO * O), [B, Hq, Sq]
     torch.testing.assert_close(got, -(p_sink * rowsum).sum((0, 2)), **TIGHT)
-    # the helper the kernels' backward uses: the same, plus the LSE's own gradient where it has one
-    torch.testing.assert_close(_cuda.sink_grad(dout, out.detach(), lse.detach(), None, sinks).double(), got,
-                               rtol=1e-5, atol=1e-6)
+    # the helper the kernels' backward uses, from their row term D = rowsum(dO * O) - dlse: the same,
+    # plus the LSE's own gradient where it has one
+    torch.testing.assert_close(_cuda.sink_grad(lse.detach(), rowsum, sinks).double(), got, rtol=1e-5, atol=1e-6)
     dlse = torch.randn_like(lse)
     (with_lse,) = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), sinks)
-    torch.testing.assert_close(_cuda.sink_grad(dout, out.detach(), lse.detach(), dlse, sinks).double(), with_lse,
+    torch.testing.assert_close(_cuda.sink_grad(lse.detach(), rowsum - dlse, sinks).double(), with_lse,
                                rtol=1e-5, atol=1e-6)
 
 
@@ -324,7 +324,8 @@ def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=Fa
     fold = lambda t: t.unflatten(1, (hk, g)).sum(2).transpose(1, 2)  # noqa: E731 - GQA: sum over the group
     dk, dv = fold(ds.transpose(-1, -2) @ qh * scale), fold(p.transpose(-1, -2) @ doh)
     grads = tuple(x.to(q.dtype).contiguous() for x in (dq, dk, dv))
-    return grads + (_cuda.sink_grad(dout, out, lse, dlse, sinks),)
+    dsum = delta.squeeze(-1).float()  # the kernels' row term D = rowsum(dO * O) - dlse, [B, Hq, Sq]
+    return grads + (_cuda.sink_grad(lse, dsum, sinks),)
 
 
 @pytest.fixture

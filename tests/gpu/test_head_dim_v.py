@@ -245,7 +245,7 @@ def test_binding_shape_errors(pair):
         _cuda._C.bwd(torch.randn_like(q), q, k, v, out, lse, None, None, True, scale, False, 80)
     with pytest.raises(RuntimeError, match=rf"out must be \[B, Sq, Hq, Dv\] .* = \[1, 64, 2, {dv}\]"):
         _cuda._C.bwd(dout, q, k, v, q, lse, None, None, True, scale, False, 80)
-    dq, dk, dv_ = _cuda._C.bwd(dout, q, k, v, out, lse, None, None, True, scale, False, 80)
+    dq, dk, dv_, _ = _cuda._C.bwd(dout, q, k, v, out, lse, None, None, True, scale, False, 80)
     assert dq.shape == q.shape and dk.shape == k.shape and dv_.shape == v.shape
 
 

@@ -7,7 +7,9 @@ Environment switches:
                         (192, 192) and (192, 128)
   FLASHMASK_DTYPES      "fp16", "bf16" or both (default: both)
   FLASHMASK_ARCHS       CUDA archs, e.g. "90" or "80;90" (default: "80;90"); "90" also builds the
-                        SM90 (wgmma/TMA) kernels, compiled for sm_90a
+                        SM90 (wgmma/TMA) kernels, compiled for sm_90a. With an older arch next to
+                        "90", the SM80 backward at the head dims the SM90 backward serves is compiled
+                        for the older ones only (a shorter build); "90" alone keeps it for sm_90
   FLASHMASK_PTXAS_VERBOSE  set: ptxas reports registers, spills and serialised wgmma (C7518) per kernel
 The instantiations themselves are listed once, in csrc/instantiations.py, which writes their
 translation units under build/generated/.
@@ -85,7 +87,8 @@ def _cuda_extension():
     # One translation unit per (architecture, kernel, head dim, value head dim, dtype) so that ninja
     # compiles them in parallel, plus the hand-written ones (binding, mask preprocessing, row kernels).
     sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")) + glob.glob(os.path.join("csrc", "*", "*.cpp")))
-    sources += [os.path.relpath(p, HERE) for p in inst.generate(os.path.join(HERE, GENERATED), selected)]
+    # The archs decide which SM80 backward units leave their sm_90 code out (instantiations.skips_sm90).
+    sources += [os.path.relpath(p, HERE) for p in inst.generate(os.path.join(HERE, GENERATED), selected, archs)]
     sm90a = bool(inst.KERNELS["sm90"])  # wgmma and setmaxnreg need the arch-specific target
     gencode = []
     for a in archs:

@@ -102,6 +102,18 @@ def compiled_archs(head_dim: int, dtype: torch.dtype, head_dim_v: Optional[int] 
     return tuple(_C.archs(head_dim, str(dtype).replace("torch.", ""), dv))
 
 
+def backward_archs(head_dim: int, dtype: torch.dtype, cc: int, head_dim_v: Optional[int] = None) -> Tuple[int, ...]:
+    """Those of :func:`compiled_archs` whose backward runs on a device of compute capability ``cc``
+    (major * 10 + minor). The SM90 family has no backward above head dim 128, and a build for sm_80
+    and sm_90 compiles the SM80 backward for sm_80 only where the SM90 backward serves the head dims
+    on sm_90 (``FLASHMASK_ARCHS=90`` keeps it there); a backward forced onto a family without it runs
+    on the newest family that has it."""
+    if _C is None:
+        return ()
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return tuple(_C.backward_archs(head_dim, str(dtype).replace("torch.", ""), cc, dv))
+
+
 def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd", head_dim_v: Optional[int] = None) -> int:
     """The architecture family a call with q (and v of head dim ``head_dim_v``, default q's) would run
     on (raises like the call would).

@@ -9,9 +9,14 @@ the SASS checks for what slows a kernel down without any error:
 
     python -m tools.compile_check --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
     python -m tools.compile_check --arch sm80 --kernel bwd_kv --head-dim 192 --head-dim-v 128
+    python -m tools.compile_check --arch sm80 --kernel bwd_kv --head-dim 128 --target 90a
     python -m tools.compile_check --arch sm90 --source csrc/common/bwd_dsum.cu
     python -m tools.compile_check --sass flashmask/_C*.so
 
+An instantiation is generated as a build for ``--archs`` (FLASHMASK_ARCHS, default "80;90") generates
+it and compiled for ``--target`` (default: its family's own arch, 80 or 90a): an SM80 backward unit
+compiled for 90a shows the sm_90 code that build keeps (empty kernels where csrc/instantiations.py
+skips_sm90 leaves it out).
 Compiling needs nvcc, the nvidia-cutlass wheel and a CUDA build of torch; it uses the C++ standard
 torch's extension builder uses, so that code the build would refuse fails here too.
 --sass checks an object file or a built extension instead (needs cuobjdump only). Exits 1 when a
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(HERE, "csrc")
@@ -172,11 +177,22 @@ def cxx_standard() -> str:
 
 
 def nvcc_command(unit: str, out: str, arch: str, includes: List[str], defines: List[str], flags,
-                 std: str = "-std=c++17") -> List[str]:
-    target = "90a" if arch == "sm90" else "80"
+                 std: str = "-std=c++17", target: Optional[str] = None) -> List[str]:
+    """``target``: the CUDA arch to compile for ("80", "90a", ...; None: the family's own)."""
+    target = target or ("90a" if arch == "sm90" else "80")
     cmd = ["nvcc", *flags, std, "-gencode", f"arch=compute_{target},code=sm_{target}", "-Xptxas", "-v"]
     cmd += [f"-I{d}" for d in includes] + [f"-D{d}" for d in defines]
     return cmd + ["-c", unit, "-o", out]
+
+
+def generated_unit(out_dir: str, instance, archs: List[str]) -> str:
+    """The translation unit of ``instance`` as a build for the CUDA archs ``archs`` (every head dim
+    and dtype) writes it under out_dir; an instance that build leaves out is written as well."""
+    selected = inst.instantiations(archs=inst.arch_families(archs))
+    if instance not in selected:
+        selected.append(instance)
+    paths = inst.generate(out_dir, selected, archs)
+    return paths[selected.index(instance)]
 
 
 def _demangle(names: List[str]) -> List[str]:
@@ -195,6 +211,10 @@ def main() -> int:
     parser.add_argument("--head-dim-v", type=int, default=None,
                         help="of v and the output (default: the head dim; see HEAD_DIM_PAIRS)")
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
+    parser.add_argument("--target", default=None, help="CUDA arch to compile for, e.g. 80, 90a (default: the "
+                        "family's own: 80 for sm80, 90a for sm90)")
+    parser.add_argument("--archs", default="80;90",
+                        help="the build's FLASHMASK_ARCHS, which the generated unit follows (default: 80;90)")
     parser.add_argument("-D", dest="defines", action="append", default=[],
                         help="pass -DNAME or -DNAME=VALUE to nvcc (repeatable)")
     parser.add_argument("--keep", default=None, help="write the object file here (for cuobjdump -sass)")
@@ -214,6 +234,11 @@ def main() -> int:
         parser.error(f"--source {args.source!r}: no such file")
     if args.source is None and args.kernel not in inst.KERNELS[args.arch]:
         parser.error(f"{args.arch} has no kernel {args.kernel!r}: {sorted(inst.KERNELS[args.arch])}")
+    if args.target is not None and not re.fullmatch(r"\d+a?", args.target):
+        parser.error(f"--target {args.target!r}: expected a CUDA arch such as 80 or 90a")
+    archs = [a for a in re.split(r"[,; ]+", args.archs) if a]
+    if not archs or not all(re.fullmatch(r"\d+a?", a) for a in archs):
+        parser.error(f"--archs {args.archs!r}: expected CUDA archs such as 80;90")
     head_dim_v = args.head_dim if args.head_dim_v is None else args.head_dim_v
     try:
         import torch.utils.cpp_extension as cpp
@@ -226,16 +251,17 @@ def main() -> int:
         return 2
     cutlass = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
     with tempfile.TemporaryDirectory() as tmp:
-        unit = os.path.abspath(args.source) if args.source else \
-            inst.generate(tmp, [inst.Instantiation(args.arch, args.kernel, args.head_dim, head_dim_v, args.dtype)])[0]
+        unit = os.path.abspath(args.source) if args.source else generated_unit(
+            tmp, inst.Instantiation(args.arch, args.kernel, args.head_dim, head_dim_v, args.dtype), archs)
         includes = [CSRC, tmp, cutlass, *cpp.include_paths(device_type="cuda"), sysconfig.get_paths()["include"]]
         # A pip-installed CUDA torch brings the CUDA library headers (cusparse.h, ...) in nvidia/*/include.
         nvidia = importlib.util.find_spec("nvidia")
         for root in (nvidia.submodule_search_locations if nvidia else []):
             includes += sorted(glob.glob(os.path.join(root, "*", "include")))
         out = args.keep or os.path.join(tmp, "unit.o")
-        cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard())
-        print(f"compiling {os.path.basename(unit)} {' '.join('-D' + d for d in args.defines)}", flush=True)
+        cmd = nvcc_command(unit, out, args.arch, includes, args.defines, inst.NVCC_FLAGS, cxx_standard(), args.target)
+        print(f"compiling {os.path.basename(unit)} for {cmd[cmd.index('-gencode') + 1]} "
+              f"{' '.join('-D' + d for d in args.defines)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
         traps, outlined, waits = sass_checks(out) if run.returncode == 0 else ({}, {}, {})
     if run.returncode != 0:

@@ -36,7 +36,8 @@ TileSizes tiles_of(const KernelSet& k) {
 // SM90 backward orders its dQ additions itself (BwdParams::dq_semaphore).
 bool deterministic_in_bwd_kv(const KernelSet& k) { return k.arch == 90; }
 
-bool has(const KernelSet& k, Slot slot) {
+bool has(const KernelSet& k, Slot slot, int cc) {
+    if (slot != Slot::fwd && k.bwd_skips_sm90 && cc / 10 == 9) return false;
     switch (slot) {
         case Slot::fwd:
             return k.fwd != nullptr;
@@ -136,6 +137,17 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, 
     return archs;
 }
 
+std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v) {
+    if (head_dim_v == 0) head_dim_v = head_dim;
+    std::vector<int64_t> archs;
+    for (const KernelSet& k : kKernelSets) {
+        if (k.head_dim == head_dim && k.head_dim_v == head_dim_v && dtype == dtype_name(k.dtype) &&
+            runs_on(k.arch, int(cc)) && has(k, Slot::bwd, int(cc)) && has(k, Slot::bwd_deterministic, int(cc)))
+            archs.push_back(k.arch);
+    }
+    return archs;
+}
+
 Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot) {
     if (arch == 0) arch = env_arch();
     TORCH_CHECK(arch == 0 || arch == 80 || arch == 90, "flashmask: unknown kernel architecture ", std::to_string(arch),
@@ -158,21 +170,23 @@ Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot
     // The newest family that runs here and has the slot for a pair holding (d, dv), and within it the
     // smallest such pair: on Hopper a head dim rounds up to the next SM90 one (zero padding) rather
     // than run on the SM80 kernels at its own, which was measured slower (docs/dev/head_dims.md).
+    // A forced family takes its smallest pair holding (d, dv), or nothing if that pair lacks the slot
+    // here, rather than a larger pair of its own.
     auto pick = [&](int family) {
         const KernelSet* best = nullptr;
         for (const KernelSet& k : kKernelSets) {
-            if (!has(k, slot) || d > k.head_dim || dv > k.head_dim_v || k.dtype != dtype || !runs_on(k.arch, cc))
-                continue;
-            if (family != 0 && k.arch != family) continue;
+            if (d > k.head_dim || dv > k.head_dim_v || k.dtype != dtype || !runs_on(k.arch, cc)) continue;
+            if (family != 0 ? k.arch != family : !has(k, slot, cc)) continue;
             if (best == nullptr || k.arch > best->arch ||
                 (k.arch == best->arch &&
                  std::make_pair(k.head_dim, k.head_dim_v) < std::make_pair(best->head_dim, best->head_dim_v)))
                 best = &k;
         }
-        return best;
+        return best != nullptr && has(*best, slot, cc) ? best : nullptr;
     };
     const KernelSet* best = pick(arch);
-    // A family without a backward yet leaves the backward of a forced family to the newest that has one.
+    // A forced family without that backward here (the SM90 one above head dim 128, the SM80 one a
+    // build for sm_80 and sm_90 leaves out of sm_90) leaves it to the newest family that has it.
     if (best == nullptr && slot != Slot::fwd && arch != 0) best = pick(0);
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),
                 "kernel compiled for ", dims_str(d, dv), " and dtype ", dtype_name(dtype),

@@ -26,6 +26,9 @@ struct KernelSet {
     FwdFn fwd;
     BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
     BwdFn bwd_dq;  // deterministic dQ
+    // The backward slots have no sm_90 code, absent on compute capability 9.x: a build for sm_90 and
+    // an older arch leaves those head dims to the SM90 backward there (csrc/instantiations.py skips_sm90).
+    bool bwd_skips_sm90;
 };
 
 // Tile sizes a kernel set walks with: the binding sizes the mask bounds, the tile work and the dQ
@@ -48,6 +51,10 @@ std::vector<std::string> compiled_dtypes();
 // The architecture families compiled for (head dim, value head dim, dtype), e.g. {80, 90};
 // head_dim_v 0 means equal to head_dim.
 std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, int64_t head_dim_v = 0);
+// Those of them whose backward (atomic and deterministic) runs on a device of compute capability
+// `cc`: a family may lack it (the SM90 backward above head dim 128) or have it for older devices
+// only (KernelSet::bwd_skips_sm90).
+std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v = 0);
 
 // The kernels for head dims (d, dv) of q/k and v and dtype on a device of compute capability `cc`
 // (major * 10 + minor): of the newest family the device runs that has a pair holding both, the
@@ -57,8 +64,8 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, 
 // call of the process); 80 or 90 asks for that family and raises if it is not compiled or the
 // device cannot run it.
 // `slot` says which kernels the call needs: the forward, the backward with atomic dQ, or the
-// deterministic backward. A forced family that lacks them leaves the call to the newest family that
-// has them.
+// deterministic backward. A forced family whose smallest pair holding (d, dv) lacks them on this
+// device leaves the call to the newest family that has them.
 enum class Slot { fwd, bwd, bwd_deterministic };
 Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot);
 

@@ -19,6 +19,8 @@ using namespace cute;
 // kSoftcap: the scores are soft-capped (common/softcap.h).
 template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdParams p) {
+    // Empty on sm_90 in a unit that csrc/instantiations.py builds for older archs only (skips_sm90).
+#if !(defined(FLASHMASK_SM80_BWD_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -141,6 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
     Tensor gdQ = make_tensor(make_gmem_ptr(dq_ptr), TileQ{}, make_stride(p.dq_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dq, mma_q, sQ, gdQ,
                                                                                            r1 - r0, p.d, tidx);
+#endif
 }
 
 }  // namespace flashmask::sm80

@@ -25,6 +25,8 @@ using namespace cute;
 // kSoftcap: the scores are soft-capped (common/softcap.h).
 template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdParams p) {
+    // Empty on sm_90 in a unit that csrc/instantiations.py builds for older archs only (skips_sm90).
+#if !(defined(FLASHMASK_SM80_BWD_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -247,6 +249,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
                                                                                            p.sk - c0, p.d, tidx);
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::CopiesV::GmemTiledCopyOut, Element>(
         acc_dv, mma_kv, sV, gdV, p.sk - c0, d_v, tidx);
+#endif
 }
 
 }  // namespace flashmask::sm80

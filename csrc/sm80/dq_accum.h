@@ -41,6 +41,8 @@ __forceinline__ __device__ void atomic_add_tile(float* tile, Acc const& acc, int
 // dQ = softmax_scale * accumulator, cast to the input dtype: one CTA per (query block, head, batch).
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) dq_convert_kernel(const BwdParams p) {
+    // Empty on sm_90 in a unit that csrc/instantiations.py builds for older archs only (skips_sm90).
+#if !(defined(FLASHMASK_SM80_BWD_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
     using Element = typename Traits::Element;
     using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
     extern __shared__ __align__(128) char smem[];
@@ -65,6 +67,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) dq_convert_kernel(const Bwd
     Tensor gdQ = make_tensor(make_gmem_ptr(dq_ptr), TileQ{}, make_stride(p.dq_row_stride, _1{}));
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc, mma_q, sQ, gdQ,
                                                                                            p.sq - r0, p.d, tidx);
+#endif
 }
 
 }  // namespace flashmask::sm80

@@ -16,6 +16,8 @@ def _module():
 
 
 inst = _module()
+# A row of kernel_registry.inc: arch, head dim, value head dim, dtype, the slots, bwd_skips_sm90.
+ROW = r"\{(\d+), (\d+), (\d+), DType::(\w+), ([^}]*), (true|false)\}"
 
 
 def test_every_listed_kernel_has_its_launch_header():
@@ -97,8 +99,8 @@ def test_generated_units_and_registry(tmp_path):
         assert f"void {i.symbol}(const {inst.KERNELS[i.arch][i.kernel].params}& p" in text
         assert f"<{i.head_dim}, {i.head_dim_v}, {inst.DTYPES[i.dtype]}>(p, stream)" in text
     registry = open(tmp_path / "kernel_registry.inc").read()
-    rows = re.findall(r"\{(\d+), (\d+), (\d+), DType::(\w+), ([^}]*)\}", registry)
-    table = {(int(a), int(d), int(dv), t): slots.split(", ") for a, d, dv, t, slots in rows if a != "0"}
+    rows = re.findall(ROW, registry)
+    table = {(int(a), int(d), int(dv), t): slots.split(", ") for a, d, dv, t, slots, _ in rows if a != "0"}
     assert set(table) == {(80, d, d, t) for d in (64, 128) for t in ("fp16", "bf16")}
     assert table[(80, 64, 64, "bf16")] == ["&run_sm80_fwd_hdim64_bf16", "&run_sm80_bwd_kv_hdim64_bf16",
                                           "&run_sm80_bwd_dq_hdim64_bf16"]
@@ -108,16 +110,16 @@ def test_generated_units_and_registry(tmp_path):
     text = open(tmp_path / "mla" / "sm80" / "fwd_hdim192x128_bf16.cu").read()
     assert "void run_sm80_fwd_hdim192x128_bf16(const AttnParams& p" in text
     assert "sm80::run_fwd<192, 128, cutlass::bfloat16_t>(p, stream)" in text
-    rows = re.findall(r"\{(\d+), (\d+), (\d+), DType::(\w+), ([^}]*)\}",
-                      open(tmp_path / "mla" / "kernel_registry.inc").read())
-    assert [(int(a), int(d), int(dv)) for a, d, dv, _, _ in rows] == [(80, 128, 128), (80, 192, 128), (80, 192, 192),
-                                                                     (0, 0, 0)]
+    rows = re.findall(ROW, open(tmp_path / "mla" / "kernel_registry.inc").read())
+    assert [(int(a), int(d), int(dv)) for a, d, dv, *_ in rows] == [(80, 128, 128), (80, 192, 128), (80, 192, 192),
+                                                                   (0, 0, 0)]
     assert rows[1][4].split(", ") == ["&run_sm80_fwd_hdim192x128_bf16", "&run_sm80_bwd_kv_hdim192x128_bf16",
                                       "&run_sm80_bwd_dq_hdim192x128_bf16"]
     # A slot the family lacks is null (the SM90 family has no bwd_dq).
     sm90 = inst.instantiations([128], ["bf16"], ["sm90"])
     inst.generate(str(tmp_path / "sm90"), sm90)
-    row = re.search(r"\{90, 128, 128, DType::bf16, ([^}]*)\}", open(tmp_path / "sm90" / "kernel_registry.inc").read())
+    row = re.search(r"\{90, 128, 128, DType::bf16, ([^}]*), (?:true|false)\}",
+                    open(tmp_path / "sm90" / "kernel_registry.inc").read())
     slots = row.group(1).split(", ")
     assert len(slots) == len(inst.SLOTS)
     assert all((slots[i] == "nullptr") == (s not in inst.KERNELS["sm90"]) for i, s in enumerate(inst.SLOTS))
@@ -126,3 +128,66 @@ def test_generated_units_and_registry(tmp_path):
     os.utime(paths[0], (before - 100, before - 100))
     inst.generate(str(tmp_path), selected)
     assert os.path.getmtime(paths[0]) == before - 100
+
+
+# The SM80 backward head dims the SM90 backward holds (KERNEL_HEAD_DIMS; 32 rounds up to 64).
+SERVED = {(d, d) for d in inst.HEAD_DIMS if d <= max(inst.KERNEL_HEAD_DIMS[("sm90", "bwd_kv")])}
+
+
+def _skipped(archs, head_dims=inst.HEAD_DIMS):
+    selected = inst.instantiations(head_dims, archs=inst.arch_families(archs))
+    return selected, {i for i in selected if inst.skips_sm90(i, archs, selected)}
+
+
+def test_sm80_backward_skips_sm90_where_the_sm90_backward_serves():
+    """A build for sm_80 and sm_90 leaves the sm_90 code out of exactly the SM80 backward kernels
+    (bwd_kv and bwd_dq, both dtypes) at the head dims an SM90 backward holds: 32, 64, 96 and 128;
+    the forwards and the larger head dims (192, (192, 128), 256) keep theirs."""
+    assert SERVED == {(32, 32), (64, 64), (96, 96), (128, 128)}
+    for archs in (["80", "90"], ["80", "90a"], ["86", "90"], ["80", "90", "100"]):
+        _, skipped = _skipped(archs)
+        assert skipped == {inst.Instantiation("sm80", k, d, dv, t) for k in ("bwd_kv", "bwd_dq")
+                           for d, dv in SERVED for t in inst.DTYPES}, archs
+    # Nothing where the build has no older arch (sm_90 alone: the SM80 backward's only way onto a
+    # Hopper GPU) or no sm_90 code at all.
+    for archs in (["90"], ["90a"], ["80"], ["80", "86"], ["90", "100"]):
+        assert _skipped(archs)[1] == set(), archs
+
+
+def test_skips_sm90_follows_the_selected_head_dims():
+    """FLASHMASK_HEAD_DIMS=32 has no SM90 backward to leave head dim 32 to: its SM80 backward keeps
+    its sm_90 code. With 64 built as well, 32 rounds up to the SM90 head dim 64."""
+    assert _skipped(["80", "90"], [32])[1] == set()
+    _, skipped = _skipped(["80", "90"], [32, 64])
+    assert {(i.kernel, i.head_dim) for i in skipped} == {(k, d) for k in ("bwd_kv", "bwd_dq") for d in (32, 64)}
+    assert _skipped(["80", "90"], [192, 256])[1] == set()
+    # A dtype the SM90 backward is not built for keeps the SM80 one.
+    sm80_fp16 = inst.Instantiation("sm80", "bwd_kv", 128, 128, "fp16")
+    sm90_bf16 = inst.instantiations([128], ["bf16"], ["sm90"])
+    assert not inst.skips_sm90(sm80_fp16, ["80", "90"], sm90_bf16 + [sm80_fp16])
+
+
+def test_generated_units_and_registry_carry_skips_sm90(tmp_path):
+    """The units skips_sm90 picks, and only those, define the macro before their launch header; the
+    registry row of their set says bwd_skips_sm90 (true), every other row false."""
+    archs = ["80", "90"]
+    selected, skipped = _skipped(archs)
+    paths = inst.generate(str(tmp_path), selected, archs)
+    macro = f"#define {inst.SKIP_SM90_MACRO}\n"
+    for i, path in zip(selected, paths):
+        text = open(path).read()
+        assert (macro in text) == (i in skipped), i
+        if i in skipped:
+            assert text.index(macro) < text.index("#include")
+    for header in ("sm80/bwd_kv_kernel.h", "sm80/bwd_dq_kernel.h", "sm80/dq_accum.h"):
+        src = open(os.path.join(ROOT, "csrc", header)).read()
+        assert f"defined({inst.SKIP_SM90_MACRO}) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900" in src, header
+    rows = re.findall(ROW, open(tmp_path / "kernel_registry.inc").read())
+    flags = {(int(a), int(d), int(dv), t): flag == "true" for a, d, dv, t, _, flag in rows}
+    assert flags.pop((0, 0, 0, "fp16")) is False  # the sentinel
+    assert {key for key, flag in flags.items() if flag} == {(80, d, dv, t) for d, dv in SERVED for t in inst.DTYPES}
+    # A build for sm_90 alone (and the default of generate) keeps every sm_90 body.
+    for archs, out in ((["90"], "sm90_only"), ((), "no_archs")):
+        paths = inst.generate(str(tmp_path / out), selected, archs)
+        assert not any(macro in open(p).read() for p in paths)
+        assert " true}" not in open(tmp_path / out / "kernel_registry.inc").read()

@@ -37,11 +37,30 @@ def kernel_head_dim(d):
     return min((k for k in _cuda.compiled_head_dims() if k >= d), default=d)
 
 
-def skip_unless_backend_serves(q):
-    """A forced family runs only the head dims it compiled: the SM90 kernels have fewer."""
+def skip_unless_backend_serves(q, backward=False):
+    """A forced family runs only the head dims it compiled: the SM90 kernels have fewer. With
+    ``backward``, also skip where its backward would run on a newer family (skip_unless_backward_on)."""
     arch = _cuda.ARCHS.get(BACKEND, 0)
     if arch and arch not in _cuda.compiled_archs(kernel_head_dim(q.shape[-1]), q.dtype):
         pytest.skip(f"{BACKEND} has no kernel for head dim {q.shape[-1]}, {q.dtype}")
+    if backward:
+        skip_unless_backward_on(arch, q)
+
+
+def skip_unless_backward_on(arch, q, head_dim_v=None):
+    """A backward forced onto family ``arch`` (0: none) that this device does not run it for goes to
+    the newest family that has it: where that is a newer family (a build for sm_80 and sm_90 leaves
+    the SM80 backward out of sm_90 at the head dims the SM90 backward serves), the test would only
+    repeat that family's own run, so it skips. An older one (the SM80 backward under a forced sm90
+    above head dim 128) is the pairing a Hopper GPU runs, and is tested."""
+    if not arch:
+        return
+    for slot in ("bwd", "bwd_deterministic"):
+        runs_on = _cuda.selected_arch(q, arch, slot, head_dim_v)
+        if runs_on > arch:
+            pytest.skip(f"this build runs the sm{arch} {slot} of head dims ({q.shape[-1]}, "
+                        f"{q.shape[-1] if head_dim_v is None else head_dim_v}) on the sm{runs_on} kernels here "
+                        "(FLASHMASK_ARCHS=90 keeps the SM80 backward for sm_90)")
 
 
 def poison_allocator(numel):

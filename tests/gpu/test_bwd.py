@@ -51,7 +51,7 @@ def assert_deterministic_matches_atomic(q, k, v, mask, causal):
 
 
 def check_backward(q, k, v, mask, causal, dlse=False, deterministic=False, scale=None, dout=None):
-    cuda_cases.skip_unless_backend_serves(q)
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
     dout = torch.randn_like(q) if dout is None else dout
     dl = torch.randn(q.shape[0], q.shape[2], q.shape[1], device="cuda") if dlse else None
     poison_allocator(q.numel() * 3)
@@ -140,7 +140,7 @@ def test_lse_gradient_and_scale():
 def test_gradient_through_the_lse_alone():
     """A loss that reads only the LSE gives the backward no dO (autograd passes None, not zeros)."""
     q, k, v = make_qkv(1, 300, 257, 4, 2, HEAD_DIMS[-1], DTYPES[-1])
-    cuda_cases.skip_unless_backend_serves(q)
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
     mask, dl = random_startend(1, 2, 300, 257, True, 2, device="cuda"), torch.randn(1, 4, 300, device="cuda")
 
     def lse_grads(fn):
@@ -167,7 +167,7 @@ def test_output_at_any_alignment(d):
     if d not in HEAD_DIMS:
         pytest.skip(f"head dim {d} not built")
     q, k, v = make_qkv(2, 333, 300, 4, 2, d, DTYPES[-1])
-    cuda_cases.skip_unless_backend_serves(q)
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
     mask = random_startend(2, 1, 333, 300, True, 2, device="cuda")
     out, lse = flashmask.flashmask_attention(q, k, v, mask, causal=True, return_lse=True, backend=cuda_cases.BACKEND)
     shifted = torch.empty(out.numel() + 1, dtype=out.dtype, device="cuda")[1:].view(out.shape)
@@ -185,6 +185,33 @@ def test_output_at_any_alignment(d):
         assert max_err(g_al, r) <= bound, f"{name} (aligned O)"
         assert max_err(g_off, r) <= bound, f"{name} (O 2 bytes off)"
         torch.testing.assert_close(g_off.float(), g_al.float(), atol=2e-2 * r.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_forced_sm80_backward_without_sm90_code_runs_on_sm90(deterministic):
+    """A build for sm_80 and sm_90 compiles the SM80 backward for sm_80 only at the head dims the SM90
+    backward serves: forced onto sm80 there, the backward runs the SM90 kernels (never the empty
+    sm_90 body of the SM80 ones) after the SM80 forward, and gives the reference's gradients."""
+    if cuda_cases.BACKEND != "sm80":
+        pytest.skip("runs once, with the sm80 backend")
+    major, minor = torch.cuda.get_device_capability()
+    cc, dtype = major * 10 + minor, DTYPES[-1]
+    dims = [d for d in _cuda.compiled_head_dims() if 80 not in _cuda.backward_archs(d, dtype, cc)]
+    if not dims:
+        pytest.skip("this build runs the SM80 backward at every head dim on this device")
+    slot = "bwd_deterministic" if deterministic else "bwd"
+    for d in dims:
+        q, k, v = make_qkv(1, 300, 257, 4, 2, d, dtype)
+        assert _cuda.selected_arch(q, 80, slot) == _cuda.selected_arch(q, 0, slot) != 80, d
+        mask, dout = random_startend(1, 2, 300, 257, True, 2, device="cuda"), torch.randn_like(q)
+        poison_allocator(q.numel() * 3)
+        got = grads(lambda a, b, c: flashmask.flashmask_attention(
+            a, b, c, mask, causal=True, return_lse=True, backend="sm80", deterministic=deterministic), q, k, v, dout)
+        ref = grads(lambda a, b, c: reference_attention(a.float(), b.float(), c.float(), mask, causal=True),
+                    q, k, v, dout)
+        low = grads(lambda a, b, c: low_precision_attention(a, b, c, mask, True, None), q, k, v, dout)
+        for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+            assert max_err(g, r) <= error_bound(lo, r), f"{name} at head dim {d}"
 
 
 def test_fully_masked_rows_have_zero_gradients():
@@ -213,7 +240,7 @@ def test_head_dims_odd_shapes_gqa_mask_heads(d, sq, sk, hm):
     form; the deterministic backward bitwise equal across two runs at each head dim."""
     causal, c = MODES[(sq + hm + d) % len(MODES)]
     q, k, v = make_qkv(2, sq, sk, 6, 2, d, DTYPES[-1])
-    cuda_cases.skip_unless_backend_serves(q)
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
     mask = random_startend(2, hm, sq, sk, causal, c, device="cuda")
     check_backward(q, k, v, mask, causal)
     dout = torch.randn_like(q)
@@ -243,7 +270,7 @@ def test_deterministic_across_waves_of_ctas():
     the order of the fp32 additions."""
     d = 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1]
     q, k, v = make_qkv(1, 8192, 8192, 8, 4, d, DTYPES[-1])
-    cuda_cases.skip_unless_backend_serves(q)
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
     mask, causal = example("causal_document", 8192, device="cuda")
     assert_deterministic_matches_atomic(q, k, v, mask, causal)
 
@@ -257,7 +284,7 @@ def test_deterministic_long_keys_job_list(family):
     of the fp32 additions, off the tiles and with GQA."""
     s = 65536 + 77
     q, k, v = make_qkv(1, s, s, 8, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
-    cuda_cases.skip_unless_backend_serves(q)
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
     mask, causal = example(family, s, device="cuda")
     assert_deterministic_matches_atomic(q, k, v, mask, causal)
 

@@ -246,7 +246,14 @@ def test_arch_selection():
         assert _cuda.selected_arch(q, 90, "bwd") == 90
         assert _cuda.selected_arch(q, 0, "bwd") == 90
         assert _cuda.selected_arch(q, 0, "bwd_deterministic") == 90
-        assert _cuda.selected_arch(q, 80, "bwd_deterministic") == 80
+        # A forced SM80 backward runs on its own kernels where the build compiled them for sm_90
+        # (FLASHMASK_ARCHS=90), else on the SM90 ones (a build for sm_80 and sm_90 leaves them out).
+        major, minor = torch.cuda.get_device_capability()
+        cc = major * 10 + minor
+        sm80_here = 80 in _cuda.backward_archs(cuda_cases.kernel_head_dim(d), dtype, cc)
+        for slot in ("bwd", "bwd_deterministic"):
+            assert _cuda.selected_arch(q, 80, slot) == (80 if sm80_here else 90)
+        assert 90 in _cuda.backward_archs(cuda_cases.kernel_head_dim(d), dtype, cc)
     if "sm90" not in cuda_cases.KERNEL_BACKENDS:
         with pytest.raises(RuntimeError, match="sm90"):
             flashmask.flashmask_attention(q, q, q, causal=True, backend="sm90")

@@ -60,6 +60,7 @@ def grads(fn, q, k, v, dout):
 def check_forward_backward(q, k, v, mask, causal, scale=None):
     d, dv = q.shape[-1], v.shape[-1]
     skip_unless_served(d, dv, q.dtype)
+    cuda_cases.skip_unless_backward_on(_cuda.ARCHS.get(cuda_cases.BACKEND, 0), q, dv)
     poison_allocator(q.numel() * 3)
 
     def kernels(a, b, c):

@@ -85,6 +85,23 @@ def test_nvcc_command():
     assert "arch=compute_90a,code=sm_90a" in cmd and "-I/inc" in cmd and "-DA=2" in cmd
     assert cmd[-4:] == ["-c", "u.cu", "-o", "u.o"]
     assert "arch=compute_80,code=sm_80" in compile_check.nvcc_command("u.cu", "u.o", "sm80", [], [], ())
+    assert "arch=compute_90a,code=sm_90a" in compile_check.nvcc_command("u.cu", "u.o", "sm80", [], [], (),
+                                                                        target="90a")
+
+
+def test_generated_unit_follows_the_build_archs(tmp_path):
+    """An SM80 backward unit is written as the build for --archs writes it: without sm_90 code where
+    the SM90 backward serves its head dims in a build for sm_80 and sm_90, with it for sm_90 alone."""
+    macro = f"#define {compile_check.inst.SKIP_SM90_MACRO}"
+    kv128 = compile_check.inst.Instantiation("sm80", "bwd_kv", 128, 128, "bf16")
+    kv256 = compile_check.inst.Instantiation("sm80", "bwd_kv", 256, 256, "bf16")
+    assert macro in open(compile_check.generated_unit(str(tmp_path / "a"), kv128, ["80", "90"])).read()
+    assert macro not in open(compile_check.generated_unit(str(tmp_path / "b"), kv128, ["90"])).read()
+    assert macro not in open(compile_check.generated_unit(str(tmp_path / "c"), kv256, ["80", "90"])).read()
+    # An instantiation no build lists is still written (the SM90 backward at 192).
+    path = compile_check.generated_unit(str(tmp_path / "d"), compile_check.inst.Instantiation(
+        "sm90", "bwd_kv", 192, 192, "bf16"), ["80", "90"])
+    assert path.endswith("sm90/bwd_kv_hdim192_bf16.cu")
 
 
 def test_cxx_standard_is_torchs():

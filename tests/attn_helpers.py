@@ -32,9 +32,10 @@ def random_startend(b: int, hm: int, sq: int, sk: int, causal: bool, c: int, dev
     return torch.stack(cols, dim=-1).to(torch.int32).to(device)
 
 
-def low_precision_attention(q, k, v, startend, causal, scale=None):
+def low_precision_attention(q, k, v, startend, causal, scale=None, softcap=0.0, sinks=None):
     """A plain PyTorch implementation in the inputs' dtype (scores and probabilities rounded to it):
-    the error baseline of the tolerance rule below."""
+    the error baseline of the tolerance rule below. ``softcap`` caps the scores in that dtype too;
+    ``sinks`` [Hq] join the softmax as one more column in float32 (the kernels read them so)."""
     from masks.format import to_dense
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -43,13 +44,19 @@ def low_precision_attention(q, k, v, startend, causal, scale=None):
     kh = kh.repeat_interleave(hq // hk, 1)
     vh = vh.repeat_interleave(hq // hk, 1)
     s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     allowed = to_dense(startend, causal, seqlen_q=sq, seqlen_k=sk).to(q.device)
     if allowed.shape[1] not in (1, hq):
         allowed = allowed.repeat_interleave(hq // allowed.shape[1], 1)
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s.float(), dim=-1)
-    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
-    return (p @ vh).transpose(1, 2), lse
+    s = s.masked_fill(~allowed, float("-inf")).float()
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(1, hq, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]  # the sink carries no value
+    return (p.to(q.dtype) @ vh).transpose(1, 2), lse
 
 
 def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -59,28 +66,70 @@ def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref.double())[finite].abs().max().item()
 
 
-def error_bound(low: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2) -> float:
+def error_bound(low: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2, ulp: float | None = None) -> float:
     """The tolerance rule: the largest error allowed against the float32 reference ``ref``, twice the
     error of the plain half-precision baseline ``low`` plus a small epsilon. The epsilon is a
     thousandth of the values' scale (floored at ``floor`` for values that are 0 up to rounding), and
     at least one unit in the last place of ``low``'s dtype at that scale: the result's rounding to
     bf16 costs up to half of one on top of the error it carries from fp32, and in a small case the
     baseline's few values can all happen to round well (17 x 17 backwards: a dK value one bf16 step
-    off against a bound of 0.65 steps, another 0.75 steps off against 0.66)."""
+    off against a bound of 0.65 steps, another 0.75 steps off against 0.66). ``ulp`` (relative) replaces
+    that unit where the result is rounded to another dtype than ``low``'s."""
     scale = max(ref.abs().max().item(), floor)
-    ulp = torch.finfo(low.dtype).eps if low.dtype in (torch.float16, torch.bfloat16) else 0.0
+    if ulp is None:
+        ulp = torch.finfo(low.dtype).eps if low.dtype in (torch.float16, torch.bfloat16) else 0.0
     return 2 * max_err(low, ref) + max(1e-3, ulp) * scale
 
 
-def assert_close_to_reference(out, lse, q, k, v, startend, causal, scale=None):
-    """Output and LSE against a float32 reference within ``error_bound`` (the LSE's epsilon 1e-4)."""
-    ref_out, ref_lse = reference_attention(q, k, v, startend, causal=causal, softmax_scale=scale)
-    lp_out, lp_lse = low_precision_attention(q, k, v, startend, causal, scale)
+def hidden_rows(startend, causal, sq, sk, b, hq, device=None) -> torch.Tensor:
+    """bool ``[B, Hq, Sq]``: the rows that the mask lets see no key."""
+    from masks.format import to_dense
+    seen = to_dense(startend, causal, seqlen_q=sq, seqlen_k=sk).any(-1)  # [B or 1, Hm or 1, Sq]
+    if seen.shape[1] not in (1, hq):
+        seen = seen.repeat_interleave(hq // seen.shape[1], 1)
+    return (~seen).expand(b, hq, sq).to(device)
+
+
+def hide_rows(mask: torch.Tensor, causal: bool, r0: int, r1: int) -> torch.Tensor:
+    """A copy of ``mask`` in which batch 0 hides rows [r0, r1) from every key, by widening the intervals
+    it has: causal C=1 hides rows [r0, Sq) and non-causal C=2 rows [0, r1) (their one-sided forms)."""
+    m = mask.clone()
+    c = m.shape[-1]
+    if causal and c == 1:
+        m[0, ..., 0].clamp_(max=r0)
+    elif not causal and c == 2:
+        m[0, ..., 1].clamp_(min=r1)
+    else:  # causal C=2 and non-causal C=4: widen [LTS, LTE)
+        m[0, ..., 0].clamp_(max=r0)
+        m[0, ..., 1].clamp_(min=r1)
+    return m
+
+
+# How far the LSE of a row no key may attend may lie from its sink: a couple of float32 steps, for
+# kernels that hold the sink in the units of their scores (sink / scale, times scale at the end).
+SINK_LSE_RTOL = 2.0 ** -21
+
+
+def assert_close_to_reference(out, lse, q, k, v, startend, causal, scale=None, softcap=0.0, sinks=None):
+    """Output and LSE against a float32 reference within ``error_bound`` (the LSE's epsilon 1e-4).
+    With ``sinks``, rows no key may attend must give out exactly 0 and the float32 of their sink as LSE."""
+    options = {} if not softcap and sinks is None else {"softcap": softcap, "sinks": sinks}
+    ref_out, ref_lse = reference_attention(q, k, v, startend, causal=causal, softmax_scale=scale, **options)
+    lp_out, lp_lse = low_precision_attention(q, k, v, startend, causal, scale, **options)
     assert not torch.isnan(out).any(), "NaN in out"
     assert not torch.isnan(lse).any(), "NaN in lse"
-    empty = torch.isinf(ref_lse)  # [B, H, Sq]: rows no key may attend
+    empty = torch.isinf(ref_lse)  # [B, H, Sq]: rows no key may attend (none with sinks)
     assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "rows with LSE +inf differ from the reference's empty rows"
     assert (out.transpose(1, 2)[empty] == 0).all(), "empty rows must give out = 0"
+    if sinks is not None:
+        b, sq, hq = q.shape[:3]
+        hidden = hidden_rows(startend, causal, sq, k.shape[1], b, hq, lse.device)
+        assert (out.transpose(1, 2)[hidden] == 0).all(), "rows no key may attend must give out = 0 with sinks too"
+        sink = sinks.float().view(1, hq, 1).expand(b, hq, sq)
+        torch.testing.assert_close(lse[hidden], sink[hidden], rtol=SINK_LSE_RTOL, atol=0,
+                                   msg=lambda m: f"the LSE of rows no key may attend must be their sink: {m}")
+        # Those rows' LSE is checked: the absolute epsilon below is below a float32 step at a sink of -1e4.
+        lse, ref_lse, lp_lse = lse[~hidden], ref_lse[~hidden], lp_lse[~hidden]
     bound_o = error_bound(lp_out, ref_out, floor=1e-3)
     err_o = max_err(out, ref_out)
     assert err_o <= bound_o, f"out error {err_o:.3e} > bound {bound_o:.3e}"

@@ -4,7 +4,8 @@ The reference path against an oracle written from the definitions (tanh of the s
 sink as one more softmax column that is dropped after the softmax, as GPT-OSS's eager attention
 does), in float64 with gradients (the sinks' included); the sinks' gradient against its closed
 form; fully masked rows; the input checks; the choice of backend while the kernels lack both
-options; the custom ops' fake shapes and autograd under torch.compile.
+options; the custom ops' fake shapes and autograd under torch.compile; the GPU tests' half-precision
+baseline and checks with both options (tests/attn_helpers.py), and the kernels' sink gradient.
 """
 from __future__ import annotations
 
@@ -20,7 +21,16 @@ import masks
 from flashmask import _cuda, flashmask_attention
 from flashmask.reference import reference_attention
 from masks.format import to_dense
-from tests.attn_helpers import TIGHT, dense_from_intervals, random_startend
+from tests.attn_helpers import (
+    TIGHT,
+    assert_close_to_reference,
+    dense_from_intervals,
+    error_bound,
+    hidden_rows,
+    hide_rows,
+    low_precision_attention,
+    random_startend,
+)
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
@@ -444,3 +454,98 @@ def test_self_attention_with_softcap_and_sinks_matches_manual_computation():
     torch.testing.assert_close(out, attn.o_proj(o.reshape(2, 9, 32)), **TIGHT)
     out.sum().backward()
     assert attn.attn.sinks.grad.shape == (4,)
+
+
+# --- the GPU tests' baseline and checks (tests/attn_helpers.py) ----------------------------------------------
+
+def _mask_hiding_rows(seed, hm, sq, sk, causal, c):
+    """Random intervals whose batch 0 hides rows [3, 6) (causal C=1: [3, Sq); non-causal C=2: [0, 6))."""
+    mask = random_startend(2, hm, sq, sk, causal, c, generator=torch.Generator().manual_seed(seed))
+    return hide_rows(mask, causal, 3, 6)
+
+
+@pytest.mark.parametrize("causal,c", MODES)
+def test_hidden_rows_are_the_rows_that_see_no_key(causal, c):
+    mask = _mask_hiding_rows(20 + c, 2, 9, 13, causal, c)
+    want = ~dense_from_intervals(mask, causal, 9, 13).any(-1).repeat_interleave(2, 1)  # [2, Hq = 4, Sq]
+    got = hidden_rows(mask, causal, 9, 13, 2, 4)
+    assert torch.equal(got, want)
+    assert got[0, :, 3:6].all()
+    assert torch.equal(hidden_rows(None, True, 7, 4, 1, 2), torch.arange(7).expand(1, 2, 7) < 3)
+
+
+@pytest.mark.parametrize("causal,c", MODES)
+@pytest.mark.parametrize("softcap,use_sinks", [(3.0, False), (0.0, True), (3.0, True)])
+def test_low_precision_baseline_is_the_oracle_when_nothing_rounds(causal, c, softcap, use_sinks):
+    """low_precision_attention, the GPU tests' error baseline, computes the oracle's function with the
+    options (rows that see no key included), gradients too, when its inputs are float64 (its softmax
+    still runs in float32)."""
+    seed = 30 + 7 * c + int(softcap) + use_sinks
+    mask = _mask_hiding_rows(seed, 2, 9, 13, causal, c)
+    q, k, v, sinks = inputs(2, 9, 13, 4, 2, 16, 8, seed, scale=2.0)
+    sinks = sinks if use_sinks else None
+    out, lse = low_precision_attention(q, k, v, mask, causal, None, softcap, sinks)
+    want_out, want_lse = oracle(q, k, v, dense_from_intervals(mask, causal, 9, 13), softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    seen = torch.isfinite(want_lse)  # without sinks the baseline's LSE of a row that sees no key is -inf
+    assert use_sinks or not seen.all()
+    assert not torch.isfinite(lse[~seen]).any()
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-6)
+    tensors = (q, k, v) + ((sinks,) if use_sinks else ())
+    got = grads_of(out, lse, tensors, seed)
+    want = grads_of(want_out, want_lse, tensors, seed)
+    for name, x, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_assert_close_to_reference_with_sinks_checks_the_rows_that_see_no_key():
+    """The GPU tests' forward check takes the reference's own result and fails one whose rows that see
+    no key are off: LSE +inf or another value than the sink, an output not exactly 0; or one without sinks."""
+    mask = _mask_hiding_rows(40, 1, 12, 10, True, 2)
+    q, k, v, sinks = (t.detach() for t in inputs(2, 12, 10, 4, 2, 16, 16, seed=40, dtype=torch.bfloat16))
+    hidden = hidden_rows(mask, True, 12, 10, 2, 4)
+    assert hidden.any() and not hidden.all()
+    out, lse = reference_attention(q, k, v, mask, causal=True, softcap=4.0, sinks=sinks)
+    assert_close_to_reference(out, lse, q, k, v, mask, True, softcap=4.0, sinks=sinks)
+    off = out.clone()
+    off.transpose(1, 2)[hidden] = 1e-30  # representable in bf16
+    wrong = {
+        "LSE +inf": (out, torch.where(hidden, float("inf"), lse)),
+        "LSE off the sink": (out, torch.where(hidden, lse * (1 + 2 ** -18), lse)),
+        "output not 0": (off, lse),
+        "without sinks": reference_attention(q, k, v, mask, causal=True, softcap=4.0),
+        "without softcap": reference_attention(q, k, v, mask, causal=True, sinks=sinks),
+    }
+    for what, (o, ls) in wrong.items():
+        with pytest.raises(AssertionError):
+            assert_close_to_reference(o, ls, q, k, v, mask, True, softcap=4.0, sinks=sinks)
+            pytest.fail(f"{what} passed")
+
+
+def test_error_bound_takes_the_unit_of_another_dtype():
+    ref = torch.tensor([3.0, -1.0], dtype=torch.float64)
+    low = ref + torch.tensor([1e-4, 0.0], dtype=torch.float64)
+    assert error_bound(low, ref) == pytest.approx(2e-4 + 1e-3 * 3.0)
+    assert error_bound(low, ref, ulp=2.0 ** -7) == pytest.approx(2e-4 + 2.0 ** -7 * 3.0)
+    assert error_bound(low, ref, ulp=1e-5) == pytest.approx(2e-4 + 1e-3 * 3.0)  # never below the 1e-3 epsilon
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("sink_dtype", [torch.float64, torch.bfloat16])
+def test_sink_grad_matches_autograd_on_rows_that_see_no_key(with_dlse, sink_dtype):
+    """_cuda.sink_grad (the kernels' dsinks, from their output and LSE) against autograd through the
+    reference path, with a cap, GQA, mask heads = Hk and rows that see no key (p_sink = 1, O = 0: they
+    give their dLSE alone); the sinks in bf16 are read as the float32 of their values."""
+    mask = _mask_hiding_rows(50, 2, 11, 14, False, 4)
+    q, k, v, sinks = inputs(2, 11, 14, 4, 2, 16, 8, seed=50, scale=2.0)
+    sinks = sinks.detach().to(sink_dtype).double().requires_grad_()  # values a bf16 tensor holds
+    out, lse = reference_attention(q, k, v, mask, causal=False, softcap=3.0, sinks=sinks)
+    assert hidden_rows(mask, False, 11, 14, 2, 4).any()
+    g = torch.Generator().manual_seed(51)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64) if with_dlse else None
+    loss = (out * dout).sum() + ((lse * dlse).sum() if with_dlse else 0)
+    (want,) = torch.autograd.grad(loss, sinks)
+    got = _cuda.sink_grad(dout, out.detach(), lse.detach(), dlse, sinks.detach().to(sink_dtype))
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

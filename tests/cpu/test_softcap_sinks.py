@@ -533,7 +533,7 @@ def test_error_bound_takes_the_unit_of_another_dtype():
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("sink_dtype", [torch.float64, torch.bfloat16])
 def test_sink_grad_matches_autograd_on_rows_that_see_no_key(with_dlse, sink_dtype):
-    """_cuda.sink_grad (the kernels' dsinks, from their output and LSE) against autograd through the
+    """_cuda.sink_grad (the kernels' dsinks, from their LSE and row term D) against autograd through the
     reference path, with a cap, GQA, mask heads = Hk and rows that see no key (p_sink = 1, O = 0: they
     give their dLSE alone); the sinks in bf16 are read as the float32 of their values."""
     mask = _mask_hiding_rows(50, 2, 11, 14, False, 4)
@@ -546,6 +546,9 @@ def test_sink_grad_matches_autograd_on_rows_that_see_no_key(with_dlse, sink_dtyp
     dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64) if with_dlse else None
     loss = (out * dout).sum() + ((lse * dlse).sum() if with_dlse else 0)
     (want,) = torch.autograd.grad(loss, sinks)
-    got = _cuda.sink_grad(dout, out.detach(), lse.detach(), dlse, sinks.detach().to(sink_dtype))
+    dsum = (dout * out.detach()).sum(-1).transpose(1, 2)  # the kernels' row term D = rowsum(dO * O) - dlse
+    if with_dlse:
+        dsum = dsum - dlse
+    got = _cuda.sink_grad(lse.detach(), dsum, sinks.detach().to(sink_dtype))
     assert got.dtype == torch.float32 and got.shape == (4,)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

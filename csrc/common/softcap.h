@@ -6,7 +6,7 @@
 
 namespace flashmask {
 
-// One MUFU op: its 2^-11 relative error is below bf16's rounding of the scores' products.
+// One MUFU op; its relative error (2^-11) is below the rounding of bf16 inputs (2^-9).
 __forceinline__ __device__ float tanh_approx(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));

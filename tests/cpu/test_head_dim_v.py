@@ -19,8 +19,8 @@ import flashmask
 import masks
 from flashmask import FlashMaskAttention, FlashMaskSelfAttention, _checks, _cuda, flashmask_attention
 from flashmask.reference import reference_attention
-from masks.format import to_dense
 from tests.attn_helpers import TIGHT, check_matches, dense_from_intervals, naive_attention, random_startend
+from tests.cpu_kernels import CALLS, CpuExtension, registered
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
@@ -263,48 +263,6 @@ def test_fake_shapes_of_fwd_and_bwd():
     assert dsinks.shape == (0,)  # no sinks
 
 
-CALLS = []  # the kernel functions below that ran, in order
-
-
-def cpu_fwd(q, k, v, mask, causal, scale, deterministic=False, num_splits=0, arch=0, softcap=0.0, sinks=None):
-    """The kernels' forward computed by the reference path (no autograd)."""
-    assert not softcap and sinks is None
-    CALLS.append("fwd")
-    with torch.no_grad():
-        return reference_attention(q, k, v, mask, causal=causal, softmax_scale=scale)
-
-
-def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=False, arch=0, softcap=0.0, sinks=None):
-    """The kernels' backward written out as FlashAttention computes it, from the saved LSE (no autograd:
-    compiled backward graphs run below it)."""
-    CALLS.append("bwd")
-    b, sq, hq, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    g = hq // hk
-    qh, kh, vh, oh, doh = (t.double().transpose(1, 2) for t in (q, k, v, out, dout))
-    kh, vh = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)
-    allowed = to_dense(mask, causal, seqlen_q=sq, seqlen_k=sk)
-    allowed = allowed.repeat_interleave(hq // allowed.shape[1], 1)
-    p = torch.exp((qh @ kh.transpose(-1, -2)) * scale - lse.double().unsqueeze(-1))
-    p = p.masked_fill(~allowed, 0).nan_to_num(0)
-    ds = p * (doh @ vh.transpose(-1, -2) - (doh * oh).sum(-1, keepdim=True))
-    dq = (ds @ kh * scale).transpose(1, 2)
-    fold = lambda t: t.unflatten(1, (hk, g)).sum(2).transpose(1, 2)  # noqa: E731 - GQA: sum over the group
-    dk, dv = fold(ds.transpose(-1, -2) @ qh * scale), fold(p.transpose(-1, -2) @ doh)
-    return tuple(x.to(q.dtype).contiguous() for x in (dq, dk, dv)) + (lse.new_empty(0),)
-
-
-class CpuExtension:
-    """_C's fwd and bwd on the CPU, for the eager path (_EagerAttention)."""
-
-    def fwd(self, q, k, v, mask, causal, scale, num_splits, arch, softcap, sinks):
-        return list(cpu_fwd(q, k, v, mask, causal, scale, softcap=softcap, sinks=sinks))
-
-    def bwd(self, dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic, arch, softcap):
-        dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # D = rowsum(dO * O) (no dlse here)
-        return list(cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale)[:3]) + [dsum]
-
-
 def _check_kernel_path(attention, seed):
     q, k, v = qkv(2, 19, 23, 4, 2, 24, 8, seed=seed, requires_grad=True)
     mask = random_startend(2, 2, 19, 23, True, 2, generator=torch.Generator().manual_seed(seed))
@@ -329,10 +287,7 @@ def test_eager_kernel_path_gradients(monkeypatch):
 
 @pytest.fixture
 def cpu_kernels():
-    """flashmask::fwd / bwd given CPU kernels for the test (removed again on exit)."""
-    with torch.library._scoped_library("flashmask", "IMPL") as lib:
-        lib.impl("fwd", cpu_fwd, "CPU")
-        lib.impl("bwd", cpu_bwd, "CPU")
+    with registered():
         yield
 
 

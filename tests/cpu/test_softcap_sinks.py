@@ -20,7 +20,6 @@ import flashmask
 import masks
 from flashmask import _cuda, flashmask_attention
 from flashmask.reference import reference_attention
-from masks.format import to_dense
 from tests.attn_helpers import (
     TIGHT,
     assert_close_to_reference,
@@ -31,6 +30,7 @@ from tests.attn_helpers import (
     low_precision_attention,
     random_startend,
 )
+from tests.cpu_kernels import registered
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
@@ -303,46 +303,9 @@ def test_fake_shapes_with_sinks():
     assert dsinks.shape == (8,) and dsinks.dtype == torch.float32
 
 
-def cpu_fwd(q, k, v, mask, causal, scale, deterministic=False, num_splits=0, arch=0, softcap=0.0, sinks=None):
-    """Stands in for kernels with both options: the reference path, no autograd."""
-    with torch.no_grad():
-        return reference_attention(q, k, v, mask, causal=causal, softmax_scale=scale, softcap=softcap, sinks=sinks)
-
-
-def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=False, arch=0, softcap=0.0, sinks=None):
-    """Their backward written out as FlashAttention computes it from the saved LSE (which holds the
-    sinks), through the cap's derivative 1 - tanh^2; dsinks as the real op gets it (no autograd:
-    compiled backward graphs run below it)."""
-    b, sq, hq, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    g = hq // hk
-    qh, kh, vh, oh, doh = (t.double().transpose(1, 2) for t in (q, k, v, out, dout))
-    kh, vh = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)
-    allowed = to_dense(mask, causal, seqlen_q=sq, seqlen_k=sk)
-    allowed = allowed.repeat_interleave(hq // allowed.shape[1], 1)
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    dcap = torch.ones_like(s)
-    if softcap:
-        t = torch.tanh(s / softcap)
-        s, dcap = softcap * t, 1 - t * t
-    p = torch.exp(s - lse.double().unsqueeze(-1)).masked_fill(~allowed, 0)
-    delta = (doh * oh).sum(-1, keepdim=True)
-    if dlse is not None:  # d lse / d s = p: the LSE's gradient joins each row's
-        delta = delta - dlse.double().unsqueeze(-1)
-    ds = p * (doh @ vh.transpose(-1, -2) - delta) * dcap
-    dq = (ds @ kh * scale).transpose(1, 2)
-    fold = lambda t: t.unflatten(1, (hk, g)).sum(2).transpose(1, 2)  # noqa: E731 - GQA: sum over the group
-    dk, dv = fold(ds.transpose(-1, -2) @ qh * scale), fold(p.transpose(-1, -2) @ doh)
-    grads = tuple(x.to(q.dtype).contiguous() for x in (dq, dk, dv))
-    dsum = delta.squeeze(-1).float()  # the kernels' row term D = rowsum(dO * O) - dlse, [B, Hq, Sq]
-    return grads + (_cuda.sink_grad(lse, dsum, sinks),)
-
-
 @pytest.fixture
 def cpu_kernels_with_options():
-    with torch.library._scoped_library("flashmask", "IMPL") as lib:
-        lib.impl("fwd", cpu_fwd, "CPU")
-        lib.impl("bwd", cpu_bwd, "CPU")
+    with registered():
         yield
 
 

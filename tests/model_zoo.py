@@ -158,3 +158,18 @@ def padded_batch(lens, side: str, seed: int, vocab: int = VOCAB) -> dict:
     if side == "left":
         labels[torch.arange(len(lens)), s - torch.tensor(lens)] = -100
     return {"input_ids": ids, "attention_mask": am, "labels": labels}
+
+
+def logits_and_grads(model, name: str, batches, restore: str):
+    """The logits of each batch (dicts of model inputs with labels) and the parameter gradients of
+    their summed losses under attention ``name``; the model goes back to attention ``restore``."""
+    set_impl(model, name)
+    model.zero_grad()
+    logits = []
+    for b in batches:
+        out = model(**b, use_cache=False)
+        out.loss.backward()
+        logits.append(out.logits.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    set_impl(model, restore)
+    return logits, grads

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from tests import model_zoo as zoo  # noqa: E402
 from tests.model_zoo import VOCAB, make_model, padded_batch, set_impl  # noqa: E402
+from tests.model_zoo import logits_and_grads as zoo_logits_and_grads  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -29,18 +30,7 @@ def families():
 
 
 def logits_and_grads(model, name, batches):
-    """The logits of each batch (dicts of model inputs with labels) and the parameter gradients of
-    their summed losses, under attention ``name``."""
-    set_impl(model, name)
-    model.zero_grad()
-    logits = []
-    for b in batches:
-        out = model(**b, use_cache=False)
-        out.loss.backward()
-        logits.append(out.logits.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    set_impl(model, NAME)
-    return logits, grads
+    return zoo_logits_and_grads(model, name, batches, restore=NAME)
 
 
 def assert_grads_close(model, got, want):

@@ -12,7 +12,8 @@ if not hasattr(transformers, "DeepseekV3Config"):
     pytest.skip("this transformers has no DeepSeek-V3", allow_module_level=True)
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
-from tests.model_zoo import padded_batch, set_impl  # noqa: E402
+from tests.model_zoo import logits_and_grads as zoo_logits_and_grads  # noqa: E402
+from tests.model_zoo import padded_batch  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 128
@@ -35,18 +36,7 @@ def make_model(seed=0):
 
 
 def logits_and_grads(model, name, batches):
-    """Summed loss of ``batches`` (dicts of model inputs with labels) under attention ``name``: the
-    logits of each batch and the parameter gradients."""
-    set_impl(model, name)
-    model.zero_grad()
-    logits = []
-    for b in batches:
-        out = model(**b, use_cache=False)
-        out.loss.backward()
-        logits.append(out.logits.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    set_impl(model, NAME)
-    return logits, grads
+    return zoo_logits_and_grads(model, name, batches, restore=NAME)
 
 
 def assert_grads_close(got, want):

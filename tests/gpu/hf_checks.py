@@ -65,3 +65,23 @@ def check_packed_sft_gradients(m16, m32, docs, name, baseline, every_parameter=F
     rel = lambda x: float((x - want).norm() / want.norm())  # noqa: E731
     assert torch.isfinite(got).all()
     assert rel(got) <= 2 * rel(base) + 1e-3, (rel(got), rel(base))
+
+
+def check_padded_batch(m16, m32, name, vocab, what, after=None):
+    """A left-padded batch of three rows on attention ``name`` (bf16) against the float32 copy on
+    eager, within the bound of check_close; ``after`` runs once the flashmask forward has."""
+    g = torch.Generator().manual_seed(2)
+    lens = [700, 300, 520]
+    ids = torch.randint(0, vocab, (3, max(lens)), generator=g).cuda()
+    am = torch.zeros(3, max(lens), dtype=torch.long, device="cuda")
+    for i, n in enumerate(lens):
+        am[i, max(lens) - n:] = 1  # left padding
+    with torch.no_grad():
+        got = m16(input_ids=ids, attention_mask=am, use_cache=False).logits
+        want = m32(input_ids=ids, attention_mask=am, use_cache=False).logits
+        base = set_impl(m16, "eager")(input_ids=ids, attention_mask=am, use_cache=False).logits
+    set_impl(m16, name)
+    if after is not None:
+        after()
+    real = am.bool()
+    check_close(got[real], want[real], base[real], what)

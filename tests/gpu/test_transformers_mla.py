@@ -19,7 +19,7 @@ if not hasattr(transformers, "DeepseekV3Config"):
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask import _cuda  # noqa: E402
 from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
-from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, docs_for  # noqa: E402
+from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, check_padded_batch, docs_for  # noqa: E402
 from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
@@ -89,19 +89,7 @@ def test_packed_batch_bf16_matches_documents_alone(source, kernel_calls):
 
 def test_padded_batch_bf16_matches_eager():
     m16, m32 = models(seed=1)
-    g = torch.Generator().manual_seed(2)
-    lens = [700, 300, 520]
-    ids = torch.randint(0, VOCAB, (3, max(lens)), generator=g).cuda()
-    am = torch.zeros(3, max(lens), dtype=torch.long, device="cuda")
-    for i, n in enumerate(lens):
-        am[i, max(lens) - n:] = 1  # left padding
-    with torch.no_grad():
-        got = m16(input_ids=ids, attention_mask=am, use_cache=False).logits
-        want = m32(input_ids=ids, attention_mask=am, use_cache=False).logits
-        base = set_impl(m16, "eager")(input_ids=ids, attention_mask=am, use_cache=False).logits
-    set_impl(m16, NAME)
-    real = am.bool()
-    check_close(got[real], want[real], base[real], "padded batch")
+    check_padded_batch(m16, m32, NAME, VOCAB, "padded batch")
 
 
 def test_packed_sft_bf16_gradients_match_separate_documents():

@@ -80,10 +80,12 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& hea
 // columns and, for the forward (query tiles of block_m rows), the order of its query tiles from the
 // mask cache (mask_cache.h; `meta` keeps them alive through the call), and the job list `jobs`: the
 // persistent forward's query tiles, or the SM90 backward's key blocks (walking query blocks of
-// block_m rows).
+// block_m rows); with keys_seen (the forward), the per-row key counts that tell a row the mask hides
+// from one whose scores were all -inf.
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& startend_row_indices, bool causal, double softmax_scale,
-                 double softcap, int block_m, int block_n, Jobs jobs, MaskMeta& meta, cudaStream_t stream) {
+                 double softcap, int block_m, int block_n, Jobs jobs, bool keys_seen, MaskMeta& meta,
+                 cudaStream_t stream) {
     const int b = q.size(0), sq = q.size(1), hq = q.size(2), d = q.size(3);
     const int sk = k.size(1), hk = k.size(2);
     p.q = q.data_ptr();
@@ -120,12 +122,13 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     TORCH_CHECK(hm == 1 || hm == hk || hm == hq, "flashmask: mask heads must be 1, Hk or Hq");
     TORCH_CHECK(causal ? (c == 1 || c == 2) : (c == 2 || c == 4), "flashmask: C=", num_str(c),
                 " is invalid for causal=", causal ? "True" : "False");
-    meta = mask_metadata(mask, causal, sq, block_m, block_n, hq, jobs, stream);
+    meta = mask_metadata(mask, causal, sq, block_m, block_n, hq, jobs, keys_seen, stream);
     p.mask = meta.mask.data_ptr<int>();
     p.bounds = meta.bounds.data_ptr<int>();
     p.tile_order = meta.order.defined() ? meta.order.data_ptr<int>() : nullptr;
     p.tile_floor = meta.floor.defined() ? meta.floor.data_ptr<int>() : nullptr;
     p.job_list = jobs != Jobs::none ? meta.jobs.data_ptr<int>() : nullptr;
+    p.keys_seen = keys_seen ? meta.keys_seen.data_ptr<int>() : nullptr;
     p.mask_c = c;
     p.hm = hm;
     p.q_per_mask_head = hq / hm;
@@ -164,7 +167,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     // The SM90 forward is persistent: its CTAs draw jobs from a counter.
     const bool persistent = sel.kernels->arch == 90;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, softcap, sel.tiles.fwd_block_m,
-                sel.tiles.fwd_block_n, persistent ? Jobs::query_tiles : Jobs::none, meta, stream);
+                sel.tiles.fwd_block_n, persistent ? Jobs::query_tiles : Jobs::none, /*keys_seen=*/true, meta, stream);
     at::Tensor sinks_f;
     if (sinks.has_value()) {
         TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == hq && sinks->is_floating_point(),
@@ -260,7 +263,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                       : sm90 && sk >= kTurnListKeys && !head_group_forced() ? Jobs::key_blocks_in_turn
                                                                             : Jobs::none;
     fill_common(p, q, k, v, startend_row_indices, causal, softmax_scale, softcap,
-                jobs != Jobs::none ? sel.tiles.bwd_block_m : 0, sel.tiles.bwd_block_n, jobs, meta, stream);
+                jobs != Jobs::none ? sel.tiles.bwd_block_m : 0, sel.tiles.bwd_block_n, jobs, /*keys_seen=*/false, meta,
+                stream);
     p.o = out.data_ptr();
     set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     p.lse = lse_c.data_ptr<float>();

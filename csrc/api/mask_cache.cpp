@@ -20,7 +20,8 @@ namespace flashmask {
 namespace {
 
 // Entries kept, most recently used first. Each holds O(B * Hm * Sk) memory at most (a contiguous
-// copy of a strided mask), the rest is O(Sk / block_n) and O(Sq / block_m) per tile shape.
+// copy of a strided mask) and O(B * Hm * Sq) (the per-row key counts), the rest is O(Sk / block_n)
+// and O(Sq / block_m) per tile shape.
 constexpr size_t kCapacity = 16;
 
 // Why each field is in the key:
@@ -66,6 +67,7 @@ struct Entry {
     // (order, floor) by (block_m, block_n)
     std::vector<std::pair<std::pair<int, int>, std::pair<at::Tensor, at::Tensor>>> tiles;
     std::vector<std::pair<std::tuple<int, int, int, Jobs>, at::Tensor>> jobs;  // by (block_m, block_n, hq, jobs)
+    at::Tensor keys_seen;
 };
 
 struct Cache {
@@ -118,6 +120,15 @@ at::Tensor compute_bounds(const at::Tensor& mask, bool causal, int sq, int block
     launch_mask_bounds(mask.data_ptr<int>(), bounds.data_ptr<int>(), mask.size(0) * mask.size(1), sk, mask.size(3),
                        causal, sq, block_n, stream);
     return bounds;
+}
+
+// MaskMeta::keys_seen: the steps of each column's visible rows, summed over the rows.
+at::Tensor compute_keys_seen(const at::Tensor& mask, bool causal, int sq, cudaStream_t stream) {
+    const int64_t batch_heads = mask.size(0) * mask.size(1);
+    at::Tensor steps = at::zeros({batch_heads, sq + 1}, mask.options());
+    launch_key_count_steps(mask.data_ptr<int>(), steps.data_ptr<int>(), batch_heads, mask.size(2), mask.size(3), causal,
+                           sq, stream);
+    return steps.narrow(1, 0, sq).cumsum(1, at::kInt).view({mask.size(0), mask.size(1), sq});
 }
 
 // Per query tile of block_m rows, the key blocks it visits and the lowest of them (the forward:
@@ -185,11 +196,15 @@ bool key_block_jobs(Jobs jobs) { return jobs == Jobs::key_blocks || jobs == Jobs
 
 // Fills what `m` lacks; returns whether anything was computed.
 bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq,
-              Jobs jobs, cudaStream_t stream) {
+              Jobs jobs, bool keys_seen, cudaStream_t stream) {
     bool computed = false;
     if (!m.mask.defined()) m.mask = user_mask.contiguous();
     if (!m.bounds.defined()) {
         m.bounds = compute_bounds(m.mask, causal, sq, block_n, stream);
+        computed = true;
+    }
+    if (keys_seen && !m.keys_seen.defined()) {
+        m.keys_seen = compute_keys_seen(m.mask, causal, sq, stream);
         computed = true;
     }
     const bool want_jobs = block_m > 0 && jobs != Jobs::none && !m.jobs.defined();
@@ -213,14 +228,14 @@ bool complete(MaskMeta& m, const at::Tensor& user_mask, bool causal, int sq, int
 }  // namespace
 
 MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq, Jobs jobs,
-                       cudaStream_t stream) {
+                       bool keys_seen, cudaStream_t stream) {
     const auto jobs_key = std::make_tuple(block_m, block_n, hq, jobs);
     const bool want_order = block_m > 0 && !key_block_jobs(jobs);
     MaskMeta m;
     c10::TensorImpl* impl = user_mask.unsafeGetTensorImpl();
     // Inference tensors have no version counter: an in-place change to them could not be seen.
     if (!cache_enabled() || !impl->version_counter().enabled() || capturing(stream)) {
-        complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, stream);
+        complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, keys_seen, stream);
         return m;
     }
     Key key{impl,
@@ -248,13 +263,14 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
                 m.bounds = find(it->bounds, block_n);
                 if (want_order) std::tie(m.order, m.floor) = find(it->tiles, std::make_pair(block_m, block_n));
                 if (block_m > 0 && jobs != Jobs::none) m.jobs = find(it->jobs, jobs_key);
+                if (keys_seen) m.keys_seen = it->keys_seen;
             }
             it = next;
         }
     }
     // Computed outside the lock: ATen may call back into Python (dispatch modes, memory-history
     // hooks), which needs the GIL that a caller waiting on this lock could hold.
-    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, stream);
+    const bool computed = complete(m, user_mask, causal, sq, block_m, block_n, hq, jobs, keys_seen, stream);
     std::lock_guard<std::mutex> lock(c.mu);
     if (!computed) {
         ++c.hits;
@@ -269,7 +285,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
             if (old->key.impl == impl && old->key.version != key.version) dropped.splice(dropped.end(), c.lru, old);
             old = next;
         }
-        c.lru.push_front(Entry{key, WeakImpl(user_mask.getIntrusivePtr()), {}, {}, {}, {}});
+        c.lru.push_front(Entry{key, WeakImpl(user_mask.getIntrusivePtr()), {}, {}, {}, {}, {}});
         it = c.lru.begin();
         if (m.mask.unsafeGetTensorImpl() != impl) it->copy = m.mask;
         while (c.lru.size() > kCapacity) dropped.splice(dropped.end(), c.lru, std::prev(c.lru.end()));
@@ -280,6 +296,7 @@ MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int blo
     }
     if (block_m > 0 && jobs != Jobs::none && !find(it->jobs, jobs_key).defined())
         it->jobs.emplace_back(jobs_key, m.jobs);
+    if (keys_seen && !it->keys_seen.defined()) it->keys_seen = m.keys_seen;
     return m;
 }
 

@@ -32,17 +32,20 @@ struct MaskMeta {
     // order of heads interleaved in groups and key blocks ascending, the group chosen on the device
     // from the mask (compute_turn_jobs in mask_cache.cpp). Only if block_m > 0 and jobs != none.
     at::Tensor jobs;
+    // int32 [B, Hm, Sq]: how many keys each query row may attend (0: the mask hides it); only if
+    // asked for (the forward, which tells a hidden row from one that met only -inf scores).
+    at::Tensor keys_seen;
 };
 
 // The metadata of `user_mask` (int32 [B, Hm, Sk, C], already checked) for key blocks of block_n
 // columns and, when block_m > 0, the forward's tile order for query tiles of block_m rows (not with
-// the backward's key block jobs) and the job list `jobs` for hq query heads. Taken from the cache
-// when the same tensor, unchanged, was seen with the same shapes on this stream; computed on
-// `stream` (the current stream) otherwise. The cache is skipped while the stream captures a CUDA
-// graph, for inference tensors (no version counter) and when the environment variable
-// FLASHMASK_MASK_CACHE is 0 (read once, at the first call with a mask).
+// the backward's key block jobs) and the job list `jobs` for hq query heads; with `keys_seen`, the
+// per-row key counts. Taken from the cache when the same tensor, unchanged, was seen with the same
+// shapes on this stream; computed on `stream` (the current stream) otherwise. The cache is skipped
+// while the stream captures a CUDA graph, for inference tensors (no version counter) and when the
+// environment variable FLASHMASK_MASK_CACHE is 0 (read once, at the first call with a mask).
 MaskMeta mask_metadata(const at::Tensor& user_mask, bool causal, int sq, int block_m, int block_n, int hq, Jobs jobs,
-                       cudaStream_t stream);
+                       bool keys_seen, cudaStream_t stream);
 
 // (hits, misses) since the last clear; calls that skip the cache count as neither.
 std::pair<int64_t, int64_t> mask_cache_stats();

@@ -4,6 +4,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "common/row_kernels.h"
+#include "mask/mask_head.h"
 
 namespace flashmask {
 namespace {
@@ -24,9 +25,12 @@ __global__ void fwd_combine_kernel(const AttnParams p) {
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
     m = fmaxf(m, sink);
-    if (m == -INFINITY) {  // no split saw a key and there is no sink: the row is empty
-        for (int c = lane; c < p.d_v; c += 32) out[c] = Element(0.f);
-        if (lane == 0) p.lse[row] = INFINITY;
+    if (m == -INFINITY) {
+        // No split saw a key and there is no sink: the row is empty, by the mask, or because every
+        // score it met was -inf (non-finite inputs: NaN, as softmax gives).
+        const bool hidden = row_hidden(p, b, h, i);
+        for (int c = lane; c < p.d_v; c += 32) out[c] = Element(hidden ? 0.f : NAN);
+        if (lane == 0) p.lse[row] = hidden ? INFINITY : NAN;
         return;
     }
     float sum = 0.f;

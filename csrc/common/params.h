@@ -33,6 +33,9 @@ struct AttnParams {
     // per-key-block bounds [B, Hm, n_key_blocks, 8] (see mask_bounds.h).
     const int* mask;
     const int* bounds;
+    // How many keys each query row may attend, [B, Hm, Sq] int32 (the forward; nullptr without a
+    // mask): a row that ends empty though it sees keys met only -inf scores (mask_head.h: row_hidden).
+    const int* keys_seen;
     int mask_c, hm, q_per_mask_head;  // q_per_mask_head = Hq / Hm
     int n_key_blocks;
     bool causal;

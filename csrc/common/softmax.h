@@ -161,16 +161,21 @@ struct OnlineSoftmax {
     // score_scale turns the kept max into the softmax's units; sink (-inf: none) is a logit in those
     // units that joins every row's denominator and carries no value: a row nothing attends then gets
     // LSE = sink. The sum is taken at max(max, sink) so that a large sink cannot overflow it.
-    template <typename O>
-    __forceinline__ __device__ void finalize(O& o, float score_scale, float (&lse)[kRows], float sink) {
+    // hidden(mi), asked only of a row that ends with nothing (and no sink), tells whether the mask
+    // hides it; if not, every score it met was -inf (non-finite inputs) and it gets NaN, as softmax
+    // gives, where a hidden row gets 0 and +inf.
+    template <typename O, typename Hidden>
+    __forceinline__ __device__ void finalize(O& o, float score_scale, float (&lse)[kRows], float sink,
+                                             Hidden const& hidden) {
         CUTE_UNROLL
         for (int mi = 0; mi < cute::size<0>(o); ++mi) {
             const float sum = quad_sum(row_sum[mi]);
             float inv, row_lse;
             if (sink == -INFINITY) {
                 const bool empty = sum == 0.f;
-                inv = empty ? 0.f : 1.f / sum;
-                row_lse = empty ? INFINITY : row_max[mi] * score_scale + __logf(sum);
+                const bool blown = empty && !hidden(mi);
+                inv = empty ? (blown ? NAN : 0.f) : 1.f / sum;
+                row_lse = empty ? (blown ? NAN : INFINITY) : row_max[mi] * score_scale + __logf(sum);
             } else {
                 const float m = row_max[mi] == -INFINITY ? -INFINITY : row_max[mi] * score_scale;
                 const float top = fmaxf(m, sink);

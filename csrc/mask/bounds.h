@@ -1,6 +1,6 @@
 // Host entry points of the mask preprocessing kernels: per-key-block bounds (8 numbers per block,
-// O(Sk / BlockN)) and per-query-tile or per-key-block work, computed once per mask and tile shape
-// (the binding caches them: api/mask_cache.h).
+// O(Sk / BlockN)), per-query-tile or per-key-block work and per-row key counts, computed once per
+// mask and tile shape (the binding caches them: api/mask_cache.h).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -18,5 +18,11 @@ void launch_mask_bounds(const int* mask, int* bounds, int batch_heads, int sk, i
 // unused).
 void launch_work(const int* bounds, int* work, int* floors, int batch_heads, int n_blocks, int m_tiles, int block_m,
                  int block_n, int sq, int sk, bool causal, bool key_blocks, cudaStream_t stream);
+
+// steps [B, Hm, Sq + 1] (zeroed) <- per key column, +1 at the first row of each run of query rows
+// that may attend it and -1 past its end: a prefix sum over the first Sq gives the number of keys
+// each query row may attend (0: the mask hides the row entirely).
+void launch_key_count_steps(const int* mask, int* steps, int batch_heads, int sk, int c, bool causal, int sq,
+                            cudaStream_t stream);
 
 }  // namespace flashmask

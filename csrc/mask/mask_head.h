@@ -19,6 +19,15 @@ __device__ __forceinline__ MaskHead mask_head(const AttnParams& p, int b, int h)
     return {p.bounds + mh * p.n_key_blocks * kNumBounds, p.mask + mh * p.sk * p.mask_c};
 }
 
+// Whether the mask, with the causal alignment, hides every key from query row `row` (rows past Sq,
+// a tile's padding, count as hidden): such a row is empty by design (output 0, LSE +inf); one that
+// sees keys yet ends empty met only -inf scores.
+__device__ __forceinline__ bool row_hidden(const AttnParams& p, int b, int h, int row) {
+    if (row >= p.sq) return true;
+    if (p.keys_seen != nullptr) return p.keys_seen[(int64_t(b) * p.hm + h / p.q_per_mask_head) * p.sq + row] == 0;
+    return p.sk == 0 || (p.causal && row + p.sk - p.sq < 0);
+}
+
 // Where the downward key walk of query tile m_block (of m_tiles, in the forward's tile shape) may
 // stop: the lowest key block the tile sees, from the mask metadata; 0 where there is none.
 __device__ __forceinline__ int tile_floor(const AttnParams& p, int b, int h, int m_block, int m_tiles) {

@@ -183,8 +183,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     float lse[kRowsPerThread];
     Tensor o_rc = rowcol(acc_o);
-    softmax.finalize(o_rc, p.score_scale, lse, output.sink);
     Tensor cO_rc = rowcol(thr_mma.partition_C(make_identity_tensor(typename Traits::TileO{})));
+    // A split's empty row may see keys in other splits: the merge tells hidden rows apart.
+    softmax.finalize(o_rc, p.score_scale, lse, output.sink,
+                     [&](int mi) { return split || row_hidden(p, b, h, r0 + get<0>(cO_rc(mi, 0))); });
     if (split) {
         output.write_partial(o_rc, cO_rc, lse, r0, r1, tidx);
     } else {

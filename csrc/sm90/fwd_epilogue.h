@@ -8,6 +8,7 @@
 
 #include "common/fwd_output.h"
 #include "common/params.h"
+#include "mask/mask_head.h"
 #include "sm90/fwd_barriers.h"
 #include "sm90/wgmma_ops.h"
 
@@ -28,7 +29,8 @@ struct FwdEpilogue {
         const FwdOutput<Element> output(p, tile.b, tile.h, 0);
         float lse[Softmax::kRowCount];
         Tensor o_rc = rowcol(acc_o);
-        softmax.finalize(o_rc, p.score_scale, lse, output.sink);
+        softmax.finalize(o_rc, p.score_scale, lse, output.sink,
+                         [&](int mi) { return row_hidden(p, tile.b, tile.h, tile.r0 + get<0>(cO(mi, 0))); });
         if constexpr (Traits::kOThroughSmem) {
             Traits::OutStore::template store<Traits::kBlockM>(
                 tma_o, make_shape(p.sq, p.d_v, p.hq, p.b), acc_o, mma_pv, shared.o.data(),

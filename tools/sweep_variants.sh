@@ -18,6 +18,7 @@
 #                                    to tell a change from the drift between quick runs
 #   BENCH_HEAD_DIMS=64               time only these head dims (default: HEAD_DIM)
 #   KV_HEADS=2                       time with that many key/value heads (GQA, 16 query heads)
+#   SOFTCAP=50                       time with logit soft-capping (bench_kernels --softcap)
 #   TESTS="tests/gpu/test_bwd.py"   run these tests in each variant before the timings
 #   TEST_VARIANTS="a b"  BENCH_VARIANTS="a b"   test / time only these variants (default: every one)
 #   AFTER="command"                  run after the timings, with V_<name> set to each variant's
@@ -131,7 +132,7 @@ done
 bench() {  # bench <variant> <column>
     ( cd "$SCRATCH/$1" && timeout "${BENCH_TIMEOUT:-150}" "$PY" -m benchmarks.bench_kernels --seqlens "$SEQLENS" \
         --families "${FAMILIES:-all}" --head-dims "${BENCH_HEAD_DIMS:-$HEAD_DIM}" --modes "$MODES" \
-        --methods "${METHODS:-flashmask}" ${KV_HEADS:+--kv-heads "$KV_HEADS"} --quick \
+        --methods "${METHODS:-flashmask}" ${KV_HEADS:+--kv-heads "$KV_HEADS"} ${SOFTCAP:+--softcap "$SOFTCAP"} --quick \
         --out "$OUTDIR/$2" > "$OUTDIR/bench_$2.log" 2>&1 || { echo "BENCH FAILED: $2"; tail -5 "$OUTDIR/bench_$2.log"; } )
     columns+=("$2")
 }

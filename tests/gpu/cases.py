@@ -21,7 +21,7 @@ def _kernel_backends():
     return [f"sm{a}" for a in sorted(archs) if (cc == 90 if a == 90 else cc >= a)]
 
 
-# The GPU tests run once per kernel family (an autouse fixture of theirs sets BACKEND), so that the
+# The GPU tests run once per kernel family (conftest.py's every_kernel_family sets BACKEND), so that the
 # SM80 kernels stay tested on a Hopper GPU next to the SM90 ones. Always a CUDA backend: a silent
 # fallback to the reference path would raise.
 KERNEL_BACKENDS = _kernel_backends()

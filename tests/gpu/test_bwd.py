@@ -13,15 +13,10 @@ from tests.attn_helpers import assert_close_to_reference, error_bound, low_preci
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
 
-pytestmark = pytest.mark.skipif(not _cuda.available(),
-                                reason="needs a CUDA device and the built extension with its backward")
-
-
-@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
-def kernel_backend(request, monkeypatch):
-    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
-    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
-    return request.param
+pytestmark = [
+    pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension with its backward"),
+    pytest.mark.usefixtures("every_kernel_family"),
+]
 
 
 def grads(fn, q, k, v, dout, dlse=None):

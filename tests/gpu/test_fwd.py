@@ -16,14 +16,10 @@ from tests.attn_helpers import assert_close_to_reference, random_startend
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, make_qkv, poison_allocator, run_kernel
 
-pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
-
-
-@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
-def kernel_backend(request, monkeypatch):
-    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
-    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
-    return request.param
+pytestmark = [
+    pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
+    pytest.mark.usefixtures("every_kernel_family"),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

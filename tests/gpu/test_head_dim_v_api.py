@@ -17,17 +17,13 @@ from tests.attn_helpers import assert_close_to_reference, error_bound, low_preci
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, MODES, poison_allocator
 
-pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
+pytestmark = [
+    pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
+    pytest.mark.usefixtures("every_kernel_family"),
+]
 
 # (Dqk, Dv): DeepSeek-V2/V3, one that rounds up to it, and value head dims below the query/key one
 PAIRS = [(192, 128), (184, 120), (128, 64), (64, 32)]
-
-
-@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
-def kernel_backend(request, monkeypatch):
-    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
-    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
-    return request.param
 
 
 def serving_pair(d, dv):

@@ -4,11 +4,9 @@ mask hides entirely keeps output 0 and LSE +inf whatever q holds. The kernels te
 the mask's per-row key counts (a prefix sum over the columns' visible runs), so the fuzz below
 poisons every row and compares the NaN rows with the rows the dense mask lets see a key.
 
-Every test forces a kernel family (the autouse fixture runs it once per family), so that a fallback
+Every test forces a kernel family (every_kernel_family runs it once per family), so that a fallback
 to the reference path raises.
 """
-import zlib
-
 import pytest
 import torch
 
@@ -19,19 +17,10 @@ from tests.attn_helpers import assert_close_to_reference, hidden_rows, hide_rows
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, poison_allocator, run_kernel
 
-pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
-
-
-@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
-def kernel_backend(request, monkeypatch):
-    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
-    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def seeded(request):
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+pytestmark = [
+    pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
+    pytest.mark.usefixtures("every_kernel_family", "seeded_by_test_id"),
+]
 
 
 # (Sq, Sk, mask heads) for Hq = 4, Hk = 2: mask heads 1, Hk and Hq, Sq != Sk, lengths off the tiles.

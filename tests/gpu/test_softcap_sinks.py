@@ -1,6 +1,6 @@
 """Logit soft-capping (``softcap``) and attention sinks (``sinks``) on the kernels (GPU only).
 
-Every test forces a kernel family (the autouse fixture runs it once per family, as in test_fwd.py),
+Every test forces a kernel family (every_kernel_family runs it once per family, as in test_fwd.py),
 so that a fallback to the reference path raises. Output and LSE, and dQ, dK, dV and the sinks'
 gradient, against the reference path in float32 on the same inputs, within the rule of
 tests/attn_helpers.py: twice the error of the plain half-precision computation with the same options,
@@ -8,8 +8,6 @@ plus an epsilon. Rows that no key may attend must give output 0 and, with sinks,
 Each forward check also shows that it would fail a kernel that ignored an option or capped the
 scores after the mask; each backward check, one that ignored an option in the gradients.
 """
-import zlib
-
 import pytest
 import torch
 
@@ -31,20 +29,10 @@ from tests.attn_helpers import (
 from tests.gpu import cases as cuda_cases
 from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, poison_allocator, run_kernel
 
-pytestmark = pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension")
-
-
-@pytest.fixture(autouse=True, params=cuda_cases.KERNEL_BACKENDS)
-def kernel_backend(request, monkeypatch):
-    """Runs every test of this file against each kernel family (cuda_cases.BACKEND)."""
-    monkeypatch.setattr(cuda_cases, "BACKEND", request.param)
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def seeded(request):
-    """Inputs drawn from a seed of the test's id, so that a failure reproduces."""
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+pytestmark = [
+    pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
+    pytest.mark.usefixtures("every_kernel_family", "seeded_by_test_id"),
+]
 
 
 SOFTCAPS = [5.0, 30.0, 50.0]

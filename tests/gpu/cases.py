@@ -11,6 +11,16 @@ HEAD_DIMS = [d for d in (32, 40, 64, 80, 96, 128, 160, 192, 256)
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
 
+def pick(seq, i):
+    """The i-th of seq, cyclically: the parameters a test does not sweep turn with its index."""
+    return seq[i % len(seq)]
+
+
+def main_head_dim():
+    """128, the head dim most models use, where the build has it; else its largest."""
+    return 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1]
+
+
 def _kernel_backends():
     """Every kernel family this build has that the device runs, as a backend= value ("sm80", "sm90")."""
     if not _cuda.available():

@@ -15,7 +15,7 @@ from flashmask import _cuda
 from flashmask.reference import reference_attention
 from tests.attn_helpers import assert_close_to_reference, hidden_rows, hide_rows, random_startend
 from tests.gpu import cases as cuda_cases
-from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, poison_allocator, run_kernel
+from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, main_head_dim, pick, poison_allocator, run_kernel
 
 pytestmark = [
     pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
@@ -25,10 +25,6 @@ pytestmark = [
 
 # (Sq, Sk, mask heads) for Hq = 4, Hk = 2: mask heads 1, Hk and Hq, Sq != Sk, lengths off the tiles.
 SHAPES = [(333, 517, 1), (517, 333, 2), (300, 300, 4)]
-
-
-def pick(seq, i):
-    return seq[i % len(seq)]
 
 
 def poisoned_qkv(b, sq, sk, hq, hk, d, dtype, rows):
@@ -109,7 +105,7 @@ def test_options_keep_poisoned_rows_finite(option):
     sq, sk = 300, 420
     mask = random_startend(1, 2, sq, sk, True, 2, device="cuda")
     rows = torch.tensor([3, 64, 65, 299])
-    d, dtype = HEAD_DIMS[-1] if 128 not in HEAD_DIMS else 128, DTYPES[-1]
+    d, dtype = main_head_dim(), DTYPES[-1]
     q, k, v = poisoned_qkv(1, sq, sk, 4, 2, d, dtype, rows)
     kw = {"softcap": 20.0} if option == "softcap" else {"sinks": torch.randn(4, device="cuda")}
     out, lse = run_kernel(q, k, v, mask, True, **kw)
@@ -157,7 +153,7 @@ def test_backward_nan_reaches_the_poisoned_rows_of_dq_and_dk_dv():
     sq, sk = 300, 300
     mask = hide_rows(random_startend(1, 1, sq, sk, True, 1, device="cuda"), True, 280, 300)
     rows = torch.tensor([7, 128, 129, 200])
-    d, dtype = HEAD_DIMS[-1] if 128 not in HEAD_DIMS else 128, DTYPES[-1]
+    d, dtype = main_head_dim(), DTYPES[-1]
     q, k, v = poisoned_qkv(1, sq, sk, 4, 2, d, dtype, rows)
     cuda_cases.skip_unless_backend_serves(q, backward=True)
     dout = torch.randn(1, sq, 4, d, device="cuda", dtype=dtype)

@@ -27,7 +27,16 @@ from tests.attn_helpers import (
     random_startend,
 )
 from tests.gpu import cases as cuda_cases
-from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, poison_allocator, run_kernel
+from tests.gpu.cases import (
+    DTYPES,
+    HEAD_DIMS,
+    MODES,
+    arch_of,
+    main_head_dim,
+    pick,
+    poison_allocator,
+    run_kernel,
+)
 
 pytestmark = [
     pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
@@ -40,15 +49,6 @@ OPTIONS = ["softcap", "sinks", "both"]
 SINK_DTYPES = [torch.float32, torch.bfloat16]
 # (Sq, Sk, mask heads) for Hq = 6, Hk = 2: mask heads 1, Hk and Hq, Sq != Sk, lengths off the tiles.
 SHAPES = [(333, 517, 1), (517, 333, 2), (700, 700, 6)]
-
-
-def pick(seq, i):
-    """The i-th of seq, cyclically: the parameters a test does not sweep turn with its index."""
-    return seq[i % len(seq)]
-
-
-def main_head_dim():
-    return 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1]
 
 
 def qkv(b, sq, sk, hq, hk, d, dtype, softcap=0.0, dv=None):

@@ -49,9 +49,10 @@ ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 96
 # Unequal pairs per architecture family (a subset of HEAD_DIM_PAIRS); a family without one leaves it
 # to a family that has it.
 ARCH_HEAD_DIM_PAIRS: Dict[str, Tuple[Tuple[int, int], ...]] = {"sm80": HEAD_DIM_PAIRS, "sm90": HEAD_DIM_PAIRS}
-# Kernels a family builds for fewer head dims than the others (a subset of its head dims): the
-# call's other slots go to the newest family that has them.
-KERNEL_HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {("sm90", "bwd_kv"): (64, 96, 128)}
+# Kernels a family builds for its equal head dims only (a subset of them): the call's other slots go
+# to the smallest of these that holds its pair, or to the newest family that has them. The SM90
+# backward serves (192, 128) with head dim 192's kernel, V's columns bounded by the value head dim.
+KERNEL_HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {("sm90", "bwd_kv"): (64, 96, 128, 192, 256)}
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # nvcc flags of every translation unit; setup.py adds one -gencode per arch, and

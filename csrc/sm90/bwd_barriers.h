@@ -11,7 +11,7 @@ constexpr int kBwdDsBarrier = 2;
 // The dQ tile handed from the consumers to a dQ warp (full) and back (empty).
 constexpr int kBwdDqFullBarrier = 3;
 constexpr int kBwdDqEmptyBarrier = 4;
-constexpr int kBwdStoreBarrier = 5;    // 5 and 6: each consumer warpgroup's dK and dV buffers
+constexpr int kBwdStoreBarrier = 5;    // 5 and 6: the dK and dV buffer of each 64-key row tile
 constexpr int kBwdDqFullBarrier2 = 8;  // 8 and 9: the full barriers of the second and third dQ warps
 
 // The full barrier of dQ warp `slot`: each warp takes its tiles on its own, since one shared

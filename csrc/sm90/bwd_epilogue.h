@@ -1,8 +1,8 @@
 // The SM90 backward's epilogue: dK (scaled by the softmax scale) and dV of a job's query-head
 // slice leave by TMA store (tile_store.h) through the dQ buffer, one after the other, once the dQ
 // warp that read the job's last dQ tile is done with it; a key block no query sees writes zeros.
-// Before the buffer takes the next job's dQ, the TMA unit has read dV (each warpgroup waits for
-// its stores here, and the next dQ hand-over waits for both).
+// Before the buffer takes the next job's dQ, the TMA unit has read dV (the warpgroups of each
+// row tile wait for its stores here, and the next dQ hand-over waits for all).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -26,16 +26,16 @@ struct BwdEpilogue {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
         using Store = typename Traits::KVStore;
-        const int wg_barrier = kBwdStoreBarrier + ctid / 128;
+        const int tile_barrier = kBwdStoreBarrier + ctid / Store::kTileThreads;
         cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqEmptyBarrier);
         Element* const buffer = reinterpret_cast<Element*>(shared.dq);
-        const int row_tile0 = job.n_block * Traits::kConsumerWarpgroups;
+        const int row_tile0 = job.n_block * (Traits::kBlockN / 64);
         Store::template store<Traits::kBlockN>(args.tma_dk, make_shape(p.sk, p.d, p.hq, p.b), acc_dk, mma_kv, buffer,
-                                               row_tile0, job.h, job.b, ctid, wg_barrier);
+                                               row_tile0, job.h, job.b, ctid, tile_barrier);
         Store::template store<Traits::kBlockN>(args.tma_dv, make_shape(p.sk, p.d_v, p.hq, p.b), acc_dv, mma_kv, buffer,
-                                               row_tile0, job.h, job.b, ctid, wg_barrier);
+                                               row_tile0, job.h, job.b, ctid, tile_barrier);
         Store::drain(ctid);
-        cutlass::arch::NamedBarrier::sync(128, wg_barrier);
+        cutlass::arch::NamedBarrier::sync(Store::kTileThreads, tile_barrier);
     }
 };
 

@@ -1,14 +1,15 @@
 // Hopper backward with FlashMask skipping: key/value-stationary, TMA loads, wgmma, warp
 // specialisation.
 //
-// (Key block of 128, query head, batch) jobs (tile_scheduler.h) run in the order of the mask's job
+// (Key block, query head, batch) jobs (tile_scheduler.h) run in the order of the mask's job
 // list (heaviest key blocks first, few heads in flight: MaskMeta::jobs; in deterministic mode each
 // head's key blocks ascending) or, without one, of job_and_head, one CTA per SM drawing them. The
 // producer warpgroup gives its registers away; one warp loads each job's K and V and the Q, dO,
 // LSE and D of the query blocks that see them (bwd_producer.h), two or three more add the dQ tiles
-// to the fp32 accumulator (bwd_dq_warps.h). Two consumer warpgroups own 64 keys each and run the
-// mainloop (bwd_mainloop.h: S^T, dP^T, dV, dK and dQ as wgmma) and the epilogue (bwd_epilogue.h:
-// dK and dV by TMA store). This body sets up the shared storage and pipelines and gives each warp
+// to the fp32 accumulator (bwd_dq_warps.h). Two consumer warpgroups own 64 keys each (above head
+// dim 128: share 64 keys, each with half the head dim of dK and dV) and run the mainloop
+// (bwd_mainloop.h: S^T, dP^T, dV, dK and dQ as wgmma) and the epilogue (bwd_epilogue.h: dK and dV
+// by TMA store). This body sets up the shared storage and pipelines and gives each warp
 // its role.
 #pragma once
 #include <cute/tensor.hpp>

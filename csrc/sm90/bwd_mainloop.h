@@ -2,7 +2,9 @@
 // block and take its query blocks as the producer queued them. S^T = K Q^T and dP^T = V dO^T leave
 // P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q; dS also goes to
 // shared memory for dQ = dS K, which the warpgroups split by head dim and hand to the dQ warps in
-// turn (bwd_dq_warps.h). The element mask (mask/element_mask.h) runs only where a block's ticket
+// turn (bwd_dq_warps.h). Above head dim 128 (Traits::kSplitHeadDim) the warpgroups share 64 keys:
+// each computes S^T and dP^T for half the queries and dK and dV for half the head dim, with P^T and
+// dS^T from shared memory. The element mask (mask/element_mask.h) runs only where a block's ticket
 // says the tile needs a compare.
 #pragma once
 #include <cute/tensor.hpp>
@@ -28,6 +30,7 @@ struct BwdMainloop {
     static constexpr int kBlockM = Traits::kBlockM;
     static constexpr int kBlockN = Traits::kBlockN;
     static constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and one dQ warp
+    static constexpr int kDqCols = Traits::kHeadDim / Traits::kDqSlices;  // the head-dim columns of a dQ slice
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
@@ -63,13 +66,15 @@ struct BwdMainloop {
         Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
         Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
         Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
+        Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{});
+        Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutDSt{});
         // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
         // rows (an element-wise copy takes a generic 16-bit store, a byte permute and 64-bit address
         // arithmetic per element).
         auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
         auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
-        Tensor tDSsdSt =
-            thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{}));
+        Tensor tDSsdSt = thr_r2s_ds.partition_D(sdSt);
+        Tensor tDSsPt = thr_r2s_ds.partition_D(sPt);
         Tensor tSrK = thr_sdp.partition_fragment_A(sK);
         Tensor tSrV = thr_sdp.partition_fragment_A(sV);
         Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
@@ -77,7 +82,6 @@ struct BwdMainloop {
         Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
         Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
         Tensor tQrdS = thr_q.partition_fragment_A(sdS);
-        Tensor tQrKt = thr_q.partition_fragment_B(sKt);
         // (key, query) of each score this thread holds.
         Tensor cST_rc = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{})));
         // Each thread's dQ values go to shared memory four at a time, a warp's 16-byte stores
@@ -135,8 +139,19 @@ struct BwdMainloop {
                 Tensor converted = convert_to<Element>(acc_s);
                 CUTE_UNROLL
                 for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
-                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
-                                                tKVrdOt(_, _, _, state.index()), acc_dv);
+                if constexpr (Traits::kSplitHeadDim) {
+                    // P^T into shared memory once both warpgroups are done reading the last block's
+                    // P^T and dS (each waited for its GEMMs), then read whole by both.
+                    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+                    copy(r2s_ds, thr_r2s_ds.retile_S(rP), tDSsPt);
+                    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
+                    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+                    wgmma_gemm</*zero_init=*/false>(mma_kv, thr_kv.partition_fragment_A(sPt),
+                                                    tKVrdOt(_, _, _, state.index()), acc_dv);
+                } else {
+                    wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
+                                                    tKVrdOt(_, _, _, state.index()), acc_dv);
+                }
             };
             if constexpr (Traits::kEarlyDv) issue_dv();
             warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
@@ -158,25 +173,39 @@ struct BwdMainloop {
             }
             if constexpr (!Traits::kEarlyDv) issue_dv();
             Tensor rdS = convert_to<Element>(acc_dp);
-            wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
-                                            tKVrQt(_, _, _, state.index()), acc_dk);
-
-            // dS into shared memory once both warpgroups are done reading the last block's.
-            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-            copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
-            cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
-            cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-            Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileQ{});
-            wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, tQrKt, acc_dq);
-            warpgroup_wait<0>();
-            pipeline_q.consumer_release(state);
-            ++state;
-            // dQ to the dQ warps' buffer once the last one has been sent.
-            cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+            if constexpr (Traits::kSplitHeadDim) {
+                // dS^T next to P^T (the barrier above ordered it after the last block's reads).
+                copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
+                cutlass::arch::fence_view_async_shared();
+                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+                wgmma_gemm</*zero_init=*/false>(mma_kv, thr_kv.partition_fragment_A(sdSt),
+                                                tKVrQt(_, _, _, state.index()), acc_dk);
+            } else {
+                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
+                                                tKVrQt(_, _, _, state.index()), acc_dk);
+                // dS into shared memory once both warpgroups are done reading the last block's.
+                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+                copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
+                cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
+                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+            }
+            // dQ slice by slice into the dQ warps' buffer, the first once the last tile has been sent.
             CUTE_UNROLL
-            for (int v = 0; v < size(acc_dq); v += 4) {
-                dq_out[(v / 4) * Traits::kConsumerThreads] =
-                    make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
+            for (int slice = 0; slice < Traits::kDqSlices; ++slice) {
+                Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileDq{});
+                Tensor sKt_slice = local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(slice, _0{}));
+                wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, thr_q.partition_fragment_B(sKt_slice), acc_dq);
+                warpgroup_wait<0>();
+                if (slice == 0) {
+                    pipeline_q.consumer_release(state);  // dK and dV, the last readers of Q and dO, are done
+                    ++state;
+                    cutlass::arch::NamedBarrier::sync(kDqHandoff, kBwdDqEmptyBarrier);
+                }
+                CUTE_UNROLL
+                for (int v = 0; v < size(acc_dq); v += 4) {
+                    dq_out[(slice * size(acc_dq) + v) / 4 * Traits::kConsumerThreads] =
+                        make_float4(acc_dq(v), acc_dq(v + 1), acc_dq(v + 2), acc_dq(v + 3));
+                }
             }
             cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
             cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier(tile % Traits::kDqWarps));

@@ -21,6 +21,9 @@ struct BwdTraits {
     static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
     static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
     static constexpr int kDqWarps = bwd_tile(kHeadDim).dq_warps;
+    static constexpr bool kSplitHeadDim = bwd_tile(kHeadDim).split_head_dim;
+    static constexpr int kDqSlices = bwd_tile(kHeadDim).dq_slices;
+    static_assert(!kSplitHeadDim || kEarlyDv, "split: dV is issued as soon as P^T is in shared memory");
     static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kNThreads = kConsumerThreads + 128;
@@ -28,58 +31,76 @@ struct BwdTraits {
     static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
     static_assert(setmaxnreg_fits(kNThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
                   "more registers than the CTA holds at launch: the consumers' setmaxnreg would wait for ever");
-    static_assert(kBlockN == 64 * kConsumerWarpgroups);
+    // The warpgroups that share each 64-key row tile of dK and dV (splitting its head dim).
+    static constexpr int kGroupsPerKeyTile = kSplitHeadDim ? kConsumerWarpgroups : 1;
+    static_assert(kBlockN == 64 * kConsumerWarpgroups / kGroupsPerKeyTile);
 
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
     using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
     using TileST = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;  // (keys, queries)
 
-    // Key-stationary: S^T = K Q^T and dP^T = V dO^T have the keys as rows, so each consumer
-    // warpgroup's 64 keys hold their P^T and dS^T in registers, the A operands of dV += P^T dO and
-    // dK += dS^T Q. dQ = dS K reads dS from shared memory; there the warpgroups split the head dim.
-    using AtomKeys = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>;
+    // Key-stationary: S^T = K Q^T and dP^T = V dO^T have the keys as rows. Each consumer warpgroup
+    // owns 64 keys, whose P^T and dS^T stay in registers as the A operands of dV += P^T dO and
+    // dK += dS^T Q; or (kSplitHeadDim) the warpgroups split the queries of S^T and dP^T and the head
+    // dim of dK and dV, P^T and dS^T passing through shared memory. dQ = dS K reads dS from shared
+    // memory; there the warpgroups split the head dim, kDqSlices slices one after the other.
+    using AtomKeys = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups / kGroupsPerKeyTile>,
+                                              cute::Int<kGroupsPerKeyTile>, cute::_1>>;
+    using AtomCols = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
     using TiledMmaSdP = decltype(cute::make_tiled_mma(
         cute::GMMA::ss_op_selector<Element, Element, float,
-                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
+                                   cute::Shape<cute::Int<64>, cute::Int<kBlockM / kGroupsPerKeyTile>,
+                                               cute::Int<kHeadDim>>>(),
         AtomKeys{}));
-    using TiledMmaKV = decltype(cute::make_tiled_mma(
-        cute::GMMA::rs_op_selector<Element, Element, float,
-                                   cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
-                                   cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-        AtomKeys{}));
+    using ShapeKV = cute::Shape<cute::Int<64>, cute::Int<kHeadDim / kGroupsPerKeyTile>, cute::Int<kBlockM>>;
+    using TiledMmaKV = std::conditional_t<
+        kSplitHeadDim,
+        decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, ShapeKV,
+                                                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+                                      AtomCols{})),
+        decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<Element, Element, float, ShapeKV,
+                                                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+                                      AtomKeys{}))>;
+    using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kDqSlices>>;  // one slice of dQ
     using TiledMmaQ = decltype(cute::make_tiled_mma(
         cute::GMMA::ss_op_selector<
             Element, Element, float,
-            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kConsumerWarpgroups>, cute::Int<kBlockN>>,
+            cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kDqSlices / kConsumerWarpgroups>, cute::Int<kBlockN>>,
             cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-        cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>{}));
+        AtomCols{}));
 
     template <int kRows, int kCols>
     using KMajorAtom =
         decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element, cute::Int<kRows>,
                                                                      cute::Int<kCols>>());
+    // The swizzle atoms' width: where the warpgroups split the head dim, each warpgroup's columns
+    // of Q^T, dO^T (dK, dV) and K^T (dQ) must be whole atoms of the MN-major B operand (head dim
+    // 192: 96 columns, 64-byte swizzle).
+    static constexpr int kQAtomCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
+    static constexpr int kKAtomCols = kSplitHeadDim ? kHeadDim / kDqSlices / kConsumerWarpgroups : kHeadDim;
     // Q and dO: (queries, head dim, stage); their transposes are the B operands of dK and dV.
     using SmemLayoutQ = decltype(cute::tile_to_shape(
-        KMajorAtom<kBlockM, kHeadDim>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+        KMajorAtom<kBlockM, kQAtomCols>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
     using SmemLayoutQt = decltype(cute::composition(
         SmemLayoutQ{},
         cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
                                   cute::Step<cute::_2, cute::_1, cute::_3>{})));
-    // K and V: (keys, head dim); K^T is the B operand of dQ.
-    using SmemLayoutKV = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kHeadDim>{}, TileKV{}));
+    // K and V: (keys, head dim); K^T is the B operand of dQ (a slice of its rows per dQ slice).
+    using SmemLayoutKV = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kKAtomCols>{}, TileKV{}));
     using SmemLayoutKt = decltype(cute::composition(
         SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
                                                   cute::Step<cute::_2, cute::_1>{})));
-    // dS: (queries, keys), the A operand of dQ.
+    // dS (and P where kSplitHeadDim): (queries, keys), the A operand of dQ.
     using SmemLayoutDS = decltype(cute::tile_to_shape(KMajorAtom<kBlockM, kBlockN>{},
                                                       cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
-    // The same memory as (keys, queries): where the S^T-shaped dS^T registers are stored.
+    // The same memory as (keys, queries): where the S^T-shaped dS^T registers are stored, and
+    // (kSplitHeadDim) the A operands of dK and dV.
     using SmemLayoutDSt = decltype(cute::composition(
         SmemLayoutDS{}, cute::make_ordered_layout(TileST{}, cute::Step<cute::_2, cute::_1>{})));
 
     // dK and dV leave through shared memory (tile_store.h), one after the other through the dQ
     // buffer, between jobs (the Q and dO buffers already hold the next job's first blocks).
-    using KVStore = WarpgroupRowsStore<Element, kHeadDim>;
+    using KVStore = WarpgroupRowsStore<Element, kHeadDim, kGroupsPerKeyTile>;
     static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> * sizeof(Element) <=
                   kBlockM * kHeadDim * sizeof(float));
 
@@ -98,6 +119,7 @@ struct BwdTraits {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
+        alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? cute::cosize_v<SmemLayoutDS> : 0> p;
         // A query block's dQ on its way to global memory (bwd_dq_warps.h), and between jobs dK and dV
         // (1024-byte aligned for their swizzled layout).
         alignas(1024) float dq[kBlockM * kHeadDim];

@@ -84,14 +84,20 @@ constexpr bool fwd_registers_fit(int head_dim, int head_dim_v) {
 }
 constexpr bool fwd_registers_fit(int head_dim) { return fwd_registers_fit(head_dim, head_dim); }
 
-// Backward: a CTA owns block_n keys (64 per consumer warpgroup) and walks query blocks of block_m
-// rows, whose Q and dO go through a pipeline of `stages`. One CTA per SM draws the jobs.
+// Backward: a CTA owns block_n keys and walks query blocks of block_m rows, whose Q and dO go
+// through a pipeline of `stages`. One CTA per SM draws the jobs.
 struct BwdTile {
     int block_m, block_n, consumer_warpgroups, stages;
     bool early_dv;  // dV += P^T dO issued before dS^T is computed, to run alongside it
     // Producer warps that add dQ tiles to the accumulator, taking a job's query blocks in turn; in
     // deterministic mode each holds its block's turn until the addition is complete in global memory.
     int dq_warps;
+    // false: each consumer warpgroup owns 64 of the keys, its dK and dV rows in registers, P^T and
+    // dS^T the register A operands of their GEMMs. true: the warpgroups share 64 keys and split the
+    // head dim of dK and dV (whose whole rows do not fit in registers above head dim 128); P^T and
+    // dS^T then go through shared memory.
+    bool split_head_dim;
+    int dq_slices;  // dQ = dS K in this many head-dim slices, one slice's accumulator live at a time
 };
 
 constexpr BwdTile bwd_tile(int head_dim) {
@@ -100,12 +106,23 @@ constexpr BwdTile bwd_tile(int head_dim) {
     t.block_n = 128;
     t.consumer_warpgroups = 2;
     t.stages = 2;
+    t.split_head_dim = false;
+    t.dq_slices = 1;
     if (head_dim <= 64) {
         t.early_dv = false;  // issued with dK it ran faster at this head dim
         t.dq_warps = 3;      // the deterministic turns of long sequences come faster than two warps complete them
-    } else {
+    } else if (head_dim <= 128) {
         t.early_dv = true;
         t.dq_warps = 2;  // a third warp lost more at 8K than it won at 128K
+    } else {
+        t.block_n = 64;
+        t.split_head_dim = true;
+        t.early_dv = true;  // P^T is in shared memory before dS^T is computed
+        t.dq_warps = 2;
+        // Shared memory (16-bit, 64-row blocks): Q and dO stages, K, V, P, dS and the fp32 dQ tile
+        // take 208 KB with two stages at 192 and with one at 256.
+        t.stages = head_dim <= 192 ? 2 : 1;
+        t.dq_slices = head_dim <= 192 ? 1 : 2;  // at 256 a whole dQ tile beside dK and dV would spill
     }
     return t;
 }

@@ -1,7 +1,8 @@
 // Writing a wgmma accumulator tile to global memory through shared memory: each consumer
 // warpgroup converts its 64 rows to 16 bits, writes them into its own shared-memory buffer
 // (stmatrix), and one of its threads hands the buffer to the TMA unit, which clips rows and
-// columns past the tensor's end. The warpgroup goes on while the store runs; only its next store
+// columns past the tensor's end. With kGroupsPerTile > 1 that many warpgroups share one 64-row
+// tile, each holding some of its columns, and the first of them stores it. The warpgroup goes on while the store runs; only its next store
 // into the buffer, or drain() before the CTA exits, waits for the TMA unit to have read it. The
 // forward writes O this way, the backward dK and dV.
 #pragma once
@@ -14,12 +15,15 @@
 namespace flashmask::sm90 {
 using namespace cute;
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, int kGroupsPerTile = 1>
 struct WarpgroupRowsStore {
+    static constexpr int kTileThreads = 128 * kGroupsPerTile;  // the threads that write one buffer
     using TileHalf = Shape<_64, Int<kHeadDim>>;  // one consumer warpgroup's rows
-    // One warpgroup's buffer, as the TMA store reads it.
+    // One row tile's buffer, as the TMA store reads it; its swizzle atoms no wider than each
+    // warpgroup's columns.
     using SmemLayoutHalf = decltype(tile_to_shape(
-        cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<kHeadDim>>(),
+        cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64,
+                                                            Int<kHeadDim / kGroupsPerTile>>(),
         TileHalf{}));
     static constexpr int kHalfElems = cosize_v<SmemLayoutHalf>;
     // All warpgroups' buffers together, as the (rows, head dim) tile that the accumulator partitions.
@@ -35,15 +39,15 @@ struct WarpgroupRowsStore {
     // acc: the calling thread's accumulator of tiled_mma over the (kRows, head dim) tile whose
     // warpgroup rows start at global row 64 * row_tile0; smem: kRows * kHeadDim elements (all
     // warpgroups' buffers); shape: the global view's (S, D, H, B); barrier_id: a named barrier of the
-    // calling warpgroup's 128 threads alone.
+    // kTileThreads threads that share the calling thread's buffer alone.
     template <int kRows, typename Tma, typename Acc, typename TiledMma, typename GShape>
     __device__ static void store(const Tma& tma, GShape const& shape, Acc const& acc, TiledMma const& tiled_mma,
                                  Element* smem, int row_tile0, int h, int b, int ctid, int barrier_id) {
-        const int wg = ctid / 128;
-        const bool leader = ctid % 128 == 0;
+        const int tile = ctid / kTileThreads;
+        const bool leader = ctid % kTileThreads == 0;
         // The last store from this buffer must have read it before it is overwritten.
         if (leader) tma_store_wait<0>();
-        cutlass::arch::NamedBarrier::sync(128, barrier_id);
+        cutlass::arch::NamedBarrier::sync(kTileThreads, barrier_id);
 
         Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout<kRows>{});
         auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
@@ -52,12 +56,12 @@ struct WarpgroupRowsStore {
         copy(r2s, thr.retile_S(r), thr.partition_D(s));
         // Generic-proxy writes made visible to the TMA unit (async proxy), then to the leader.
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(128, barrier_id);
+        cutlass::arch::NamedBarrier::sync(kTileThreads, barrier_id);
 
-        const int row_tile = row_tile0 + wg;
+        const int row_tile = row_tile0 + tile;
         if (leader && row_tile * 64 < get<0>(shape)) {
             Tensor g = local_tile(tma.get_tma_tensor(shape)(_, _, h, b), TileHalf{}, make_coord(row_tile, _0{}));
-            Tensor half = make_tensor(make_smem_ptr(smem + wg * kHalfElems), SmemLayoutHalf{});
+            Tensor half = make_tensor(make_smem_ptr(smem + tile * kHalfElems), SmemLayoutHalf{});
             auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(half), group_modes<0, 2>(g));
             copy(tma, ts, tg);
             tma_store_arrive();
@@ -66,7 +70,7 @@ struct WarpgroupRowsStore {
 
     // Before the CTA exits: the warpgroup's stores must have finished reading shared memory.
     __device__ static void drain(int ctid) {
-        if (ctid % 128 == 0) tma_store_wait<0>();
+        if (ctid % kTileThreads == 0) tma_store_wait<0>();
     }
 };
 

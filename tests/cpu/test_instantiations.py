@@ -79,7 +79,7 @@ def test_selection_and_errors():
     mla = inst.instantiations([192], ["bf16"], ["sm80", "sm90"])
     assert {(i.arch, i.kernel, i.head_dim, i.head_dim_v) for i in mla} == \
         {("sm80", k, 192, dv) for k in inst.KERNELS["sm80"] for dv in (192, 128)} | \
-        {("sm90", "fwd", 192, dv) for dv in (192, 128)}
+        {("sm90", "fwd", 192, dv) for dv in (192, 128)} | {("sm90", "bwd_kv", 192, 192)}
     assert all(i.head_dim_v == i.head_dim for i in inst.instantiations([64, 128, 256]))
     with pytest.raises(ValueError, match="unknown head dims"):
         inst.instantiations([100], ["bf16"], ["sm80"])
@@ -130,8 +130,10 @@ def test_generated_units_and_registry(tmp_path):
     assert os.path.getmtime(paths[0]) == before - 100
 
 
-# The SM80 backward head dims the SM90 backward holds (KERNEL_HEAD_DIMS; 32 rounds up to 64).
-SERVED = {(d, d) for d in inst.HEAD_DIMS if d <= max(inst.KERNEL_HEAD_DIMS[("sm90", "bwd_kv")])}
+# The SM80 backward head dims the SM90 backward holds (KERNEL_HEAD_DIMS; 32 rounds up to 64 and
+# (192, 128) to 192).
+SERVED = {(d, dv) for d, dv in inst.arch_head_dim_pairs("sm80")
+          if any(d <= s and dv <= s for s in inst.KERNEL_HEAD_DIMS[("sm90", "bwd_kv")])}
 
 
 def _skipped(archs, head_dims=inst.HEAD_DIMS):
@@ -141,9 +143,9 @@ def _skipped(archs, head_dims=inst.HEAD_DIMS):
 
 def test_sm80_backward_skips_sm90_where_the_sm90_backward_serves():
     """A build for sm_80 and sm_90 leaves the sm_90 code out of exactly the SM80 backward kernels
-    (bwd_kv and bwd_dq, both dtypes) at the head dims an SM90 backward holds: 32, 64, 96 and 128;
-    the forwards and the larger head dims (192, (192, 128), 256) keep theirs."""
-    assert SERVED == {(32, 32), (64, 64), (96, 96), (128, 128)}
+    (bwd_kv and bwd_dq, both dtypes) at the head dims an SM90 backward holds: every one; the
+    forwards keep theirs."""
+    assert SERVED == {(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     for archs in (["80", "90"], ["80", "90a"], ["86", "90"], ["80", "90", "100"]):
         _, skipped = _skipped(archs)
         assert skipped == {inst.Instantiation("sm80", k, d, dv, t) for k in ("bwd_kv", "bwd_dq")
@@ -160,7 +162,8 @@ def test_skips_sm90_follows_the_selected_head_dims():
     assert _skipped(["80", "90"], [32])[1] == set()
     _, skipped = _skipped(["80", "90"], [32, 64])
     assert {(i.kernel, i.head_dim) for i in skipped} == {(k, d) for k in ("bwd_kv", "bwd_dq") for d in (32, 64)}
-    assert _skipped(["80", "90"], [192, 256])[1] == set()
+    _, skipped = _skipped(["80", "90"], [192])
+    assert {(i.head_dim, i.head_dim_v) for i in skipped} == {(192, 192), (192, 128)}
     # A dtype the SM90 backward is not built for keeps the SM80 one.
     sm80_fp16 = inst.Instantiation("sm80", "bwd_kv", 128, 128, "fp16")
     sm90_bf16 = inst.instantiations([128], ["bf16"], ["sm90"])

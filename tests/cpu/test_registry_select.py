@@ -106,15 +106,14 @@ def tables(tmp_path_factory):
 def test_forced_sm80_backward_goes_to_sm90_where_its_sm90_code_is_left_out(tables):
     select, backward = tables[("80", "90")]
     for d, dv in PAIRS:
-        served = d <= 128  # an SM90 backward (64, 96, 128) holds (d, dv)
-        sm90_dims = min(h for h in (64, 96, 128, 192, 256) if h >= d)
+        # The SM90 backward is built for equal head dims, which hold every pair: (192, 128) runs on 192.
+        sm90_dims = min(h for h in (64, 96, 128, 192, 256) if h >= max(d, dv))
         for slot in ("bwd", "bwd_deterministic"):
-            want = (90, sm90_dims) if served else (80, select[(80, 80, d, dv, slot)][1])
-            assert select[(90, 80, d, dv, slot)] == want, (d, dv, slot)
+            assert select[(90, 80, d, dv, slot)] == (90, sm90_dims), (d, dv, slot)
         # The forward keeps its sm_90 code: split-KV runs on it only.
         assert select[(90, 80, d, dv, "fwd")] == select[(80, 80, d, dv, "fwd")], (d, dv)
         assert select[(90, 80, d, dv, "fwd")][0] == 80
-    assert backward[(90, 128)] == [90] and backward[(90, 32)] == [] and backward[(90, 192)] == [80]
+    assert backward[(90, 128)] == [90] and backward[(90, 32)] == [] and backward[(90, 192)] == [90]
     assert backward[(80, 128)] == [80] and backward[(80, 32)] == [80]
 
 
@@ -136,6 +135,6 @@ def test_the_trim_changes_no_call_that_names_no_family(tables):
         cc, arch = key[:2]
         if cc == 80 or arch != 80:
             assert trimmed[key] == full[key], key
-    # On Hopper every backward up to head dim 128 is the SM90 one, above it the SM80 one.
+    # On Hopper every backward is the SM90 one.
     for d, dv in PAIRS:
-        assert trimmed[(90, 0, d, dv, "bwd")][0] == (90 if d <= 128 else 80), (d, dv)
+        assert trimmed[(90, 0, d, dv, "bwd")][0] == 90, (d, dv)

@@ -49,10 +49,6 @@ ARCH_HEAD_DIMS: Dict[str, Tuple[int, ...]] = {"sm80": HEAD_DIMS, "sm90": (64, 96
 # Unequal pairs per architecture family (a subset of HEAD_DIM_PAIRS); a family without one leaves it
 # to a family that has it.
 ARCH_HEAD_DIM_PAIRS: Dict[str, Tuple[Tuple[int, int], ...]] = {"sm80": HEAD_DIM_PAIRS, "sm90": HEAD_DIM_PAIRS}
-# Kernels a family builds for its equal head dims only (a subset of them): the call's other slots go
-# to the smallest of these that holds its pair, or to the newest family that has them. The SM90
-# backward serves (192, 128) with head dim 192's kernel, V's columns bounded by the value head dim.
-KERNEL_HEAD_DIMS: Dict[Tuple[str, str], Tuple[int, ...]] = {("sm90", "bwd_kv"): (64, 96, 128, 192, 256)}
 # The compute capability (major * 10 + minor) an architecture family needs at least.
 ARCH_MIN_CC: Dict[str, int] = {"sm80": 80, "sm90": 90}
 # nvcc flags of every translation unit; setup.py adds one -gencode per arch, and
@@ -92,13 +88,6 @@ def arch_head_dim_pairs(arch: str) -> List[Tuple[int, int]]:
     return [(d, d) for d in ARCH_HEAD_DIMS[arch]] + list(ARCH_HEAD_DIM_PAIRS[arch])
 
 
-def _builds(arch: str, kernel: str, d: int, dv: int) -> bool:
-    """Whether a family builds a kernel for head dims (d, dv): for each of its pairs, unless
-    KERNEL_HEAD_DIMS limits the kernel to some equal head dims."""
-    limit = KERNEL_HEAD_DIMS.get((arch, kernel))
-    return limit is None or (d == dv and d in limit)
-
-
 def instantiations(head_dims: Iterable[int] = HEAD_DIMS, dtypes: Iterable[str] = tuple(DTYPES),
                    archs: Iterable[str] = tuple(KERNELS)) -> List[Instantiation]:
     """Every instantiation of the selected head dims, dtypes and architecture families; a pair of
@@ -111,7 +100,7 @@ def instantiations(head_dims: Iterable[int] = HEAD_DIMS, dtypes: Iterable[str] =
         raise ValueError(f"unknown head dims / dtypes / archs {bad}; choose from {tuple(sorted(known))}, "
                          f"{tuple(DTYPES)}, {tuple(KERNELS)}")
     return [Instantiation(a, k, d, dv, t) for a in archs for k in KERNELS[a] for d, dv in arch_head_dim_pairs(a)
-            if d in head_dims and _builds(a, k, d, dv) for t in dtypes]
+            if d in head_dims for t in dtypes]
 
 
 def _ccs(cuda_archs: Iterable[str]) -> List[int]:

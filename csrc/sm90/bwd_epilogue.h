@@ -17,25 +17,27 @@ template <typename Traits>
 struct BwdEpilogue {
     using Element = typename Traits::Element;
 
-    template <typename Args, typename Job, typename AccKV>
-    __forceinline__ __device__ static void store(const Args& args, const Job& job, AccKV& acc_dk, AccKV& acc_dv,
+    template <typename Args, typename Job, typename AccK, typename AccV>
+    __forceinline__ __device__ static void store(const Args& args, const Job& job, AccK& acc_dk, AccV& acc_dv,
                                                  typename Traits::SharedStorage& shared, int ctid,
                                                  int handoff_threads) {
         const BwdParams& p = args.p;
-        typename Traits::TiledMmaKV mma_kv;
+        typename Traits::TiledMmaK mma_k;
+        typename Traits::TiledMmaV mma_v;
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
-        using Store = typename Traits::KVStore;
-        const int tile_barrier = kBwdStoreBarrier + ctid / Store::kTileThreads;
+        using KStore = typename Traits::KStore;
+        using VStore = typename Traits::VStore;
+        const int tile_barrier = kBwdStoreBarrier + ctid / KStore::kTileThreads;
         cutlass::arch::NamedBarrier::sync(handoff_threads, kBwdDqEmptyBarrier);
         Element* const buffer = reinterpret_cast<Element*>(shared.dq);
         const int row_tile0 = job.n_block * (Traits::kBlockN / 64);
-        Store::template store<Traits::kBlockN>(args.tma_dk, make_shape(p.sk, p.d, p.hq, p.b), acc_dk, mma_kv, buffer,
-                                               row_tile0, job.h, job.b, ctid, tile_barrier);
-        Store::template store<Traits::kBlockN>(args.tma_dv, make_shape(p.sk, p.d_v, p.hq, p.b), acc_dv, mma_kv, buffer,
-                                               row_tile0, job.h, job.b, ctid, tile_barrier);
-        Store::drain(ctid);
-        cutlass::arch::NamedBarrier::sync(Store::kTileThreads, tile_barrier);
+        KStore::template store<Traits::kBlockN>(args.tma_dk, make_shape(p.sk, p.d, p.hq, p.b), acc_dk, mma_k, buffer,
+                                                row_tile0, job.h, job.b, ctid, tile_barrier);
+        VStore::template store<Traits::kBlockN>(args.tma_dv, make_shape(p.sk, p.d_v, p.hq, p.b), acc_dv, mma_v, buffer,
+                                                row_tile0, job.h, job.b, ctid, tile_barrier);
+        VStore::drain(ctid);
+        cutlass::arch::NamedBarrier::sync(VStore::kTileThreads, tile_barrier);
     }
 };
 

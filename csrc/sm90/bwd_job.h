@@ -8,14 +8,15 @@
 
 namespace flashmask::sm90 {
 
-template <typename TmaQ, typename TmaDO, typename TmaK, typename TmaV, typename TmaStore>
+template <typename TmaQ, typename TmaDO, typename TmaK, typename TmaV, typename TmaDK, typename TmaDV>
 struct BwdArgs {
     BwdParams p;
     TmaQ tma_q;
     TmaDO tma_do;
     TmaK tma_k;
     TmaV tma_v;
-    TmaStore tma_dk, tma_dv;
+    TmaDK tma_dk;
+    TmaDV tma_dv;
 };
 
 template <typename Traits, bool Is_causal, bool Has_mask>

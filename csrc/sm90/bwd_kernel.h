@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
         shared.kv_free.init(Traits::kConsumerThreads);
     }
     typename Pipeline::Params pipe_params;
-    pipe_params.transaction_bytes = 2 * Traits::kTmaBytesQ + 2 * Traits::kBytesRows;
+    pipe_params.transaction_bytes = Traits::kTmaBytesQ + Traits::kTmaBytesDO + 2 * Traits::kBytesRows;
     pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pipe_params.is_leader = threadIdx.x == 0;
     pipe_params.num_consumers = Traits::kConsumerThreads;
@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const __grid_
     Mainloop mainloop(shared, pipeline_q, ctid);
     for (int x = scheduler.first(); scheduler.valid(x); x = scheduler.take_next(shared.next_job)) {
         const Job job(p, scheduler.job(p, x));
-        typename Mainloop::AccKV acc_dk, acc_dv;
+        typename Mainloop::AccK acc_dk;
+        typename Mainloop::AccV acc_dv;
         clear(acc_dk);
         clear(acc_dv);
         if (!job.empty()) mainloop.run(p, job, acc_dk, acc_dv);

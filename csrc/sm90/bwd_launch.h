@@ -18,33 +18,34 @@
 
 namespace flashmask::sm90 {
 
+// V, dO and dV at kHeadDimV, their columns bounded by p.d_v (a smaller pair that fits).
 template <int kHeadDim, int kHeadDimV, typename Element>
 void run_bwd(const BwdParams& p, cudaStream_t stream) {
-    // V, dO and dV at the head dim of Q and K, their columns bounded by p.d_v (a pair that fits).
-    static_assert(kHeadDim == kHeadDimV, "the SM90 backward has a head dim for Q, K and V alike");
     using namespace cute;
-    using Traits = BwdTraits<kHeadDim, Element>;
+    using Traits = BwdTraits<kHeadDim, kHeadDimV, Element>;
     TORCH_CHECK(p.dq_accum != nullptr, "flashmask: the SM90 backward accumulates dQ with atomics only");
     const auto sQ = take<0, 2>(typename Traits::SmemLayoutQ{});
     const auto gq =
         tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-    const auto gdo = tma_view<Element, kHeadDim>(p.dout, p.sq, p.d_v, p.hq, p.b, p.do_row_stride, p.do_head_stride,
+    const auto gdo = tma_view<Element, kHeadDimV>(p.dout, p.sq, p.d_v, p.hq, p.b, p.do_row_stride, p.do_head_stride,
                                                  p.do_batch_stride);
     const auto gk =
         tma_view<Element, kHeadDim>(p.k, p.sk, p.d, p.hk, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
     const auto gv =
-        tma_view<Element, kHeadDim>(p.v, p.sk, p.d_v, p.hk, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+        tma_view<Element, kHeadDimV>(p.v, p.sk, p.d_v, p.hk, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
     auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, sQ, typename Traits::TileQ{}, _1{});
-    auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdo, sQ, typename Traits::TileQ{}, _1{});
-    auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
-    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, typename Traits::SmemLayoutKV{}, typename Traits::TileKV{}, _1{});
+    auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdo, take<0, 2>(typename Traits::SmemLayoutDO{}),
+                                typename Traits::TileDO{}, _1{});
+    auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Traits::SmemLayoutK{}, typename Traits::TileK{}, _1{});
+    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, typename Traits::SmemLayoutV{}, typename Traits::TileV{}, _1{});
     const auto gdk =
         tma_view<Element, kHeadDim>(p.dk, p.sk, p.d, p.hq, p.b, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride);
     const auto gdv =
-        tma_view<Element, kHeadDim>(p.dv, p.sk, p.d_v, p.hq, p.b, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
-    auto tma_dk = Traits::KVStore::make_tma(gdk);
-    auto tma_dv = Traits::KVStore::make_tma(gdv);
-    using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), decltype(tma_dk)>;
+        tma_view<Element, kHeadDimV>(p.dv, p.sk, p.d_v, p.hq, p.b, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
+    auto tma_dk = Traits::KStore::make_tma(gdk);
+    auto tma_dv = Traits::VStore::make_tma(gdv);
+    using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), decltype(tma_dk),
+                         decltype(tma_dv)>;
     const Args args{p, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv};
     // One CTA per SM (the registers allow no more), none idle.
     const int64_t jobs = int64_t((p.sk + Traits::kBlockN - 1) / Traits::kBlockN) * p.hq * p.b;

@@ -35,8 +35,8 @@ struct BwdMainloop {
     using SharedStorage = typename Traits::SharedStorage;
     using Pipeline = typename Traits::Pipeline;
     using Job = KeyJob<Traits, Is_causal, Has_mask>;
-    using AccKV =
-        decltype(partition_fragment_C(std::declval<typename Traits::TiledMmaKV&>(), typename Traits::TileKV{}));
+    using AccK = decltype(partition_fragment_C(std::declval<typename Traits::TiledMmaK&>(), typename Traits::TileK{}));
+    using AccV = decltype(partition_fragment_C(std::declval<typename Traits::TiledMmaV&>(), typename Traits::TileV{}));
 
     SharedStorage& shared;
     Pipeline& pipeline_q;
@@ -51,19 +51,21 @@ struct BwdMainloop {
 
     // Every query block that sees the job's keys: accumulates dK (unscaled) and dV of this query
     // head's slice and hands each block's dQ tile to the dQ warps.
-    __forceinline__ __device__ void run(const BwdParams& p, const Job& job, AccKV& acc_dk, AccKV& acc_dv) {
+    __forceinline__ __device__ void run(const BwdParams& p, const Job& job, AccK& acc_dk, AccV& acc_dv) {
         typename Traits::TiledMmaSdP mma_sdp;
-        typename Traits::TiledMmaKV mma_kv;
+        typename Traits::TiledMmaK mma_k;
+        typename Traits::TiledMmaV mma_v;
         typename Traits::TiledMmaQ mma_q;
         auto thr_sdp = mma_sdp.get_thread_slice(ctid);
-        auto thr_kv = mma_kv.get_thread_slice(ctid);
+        auto thr_k = mma_k.get_thread_slice(ctid);
+        auto thr_v = mma_v.get_thread_slice(ctid);
         auto thr_q = mma_q.get_thread_slice(ctid);
         Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDO{});
         Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
-        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQt{});
-        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDOt{});
+        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
         Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
         Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
         Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{});
@@ -79,8 +81,8 @@ struct BwdMainloop {
         Tensor tSrV = thr_sdp.partition_fragment_A(sV);
         Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
         Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);
-        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        Tensor tKVrQt = thr_k.partition_fragment_B(sQt);
+        Tensor tKVrdOt = thr_v.partition_fragment_B(sdOt);
         Tensor tQrdS = thr_q.partition_fragment_A(sdS);
         // (key, query) of each score this thread holds.
         Tensor cST_rc = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{})));
@@ -146,10 +148,10 @@ struct BwdMainloop {
                     copy(r2s_ds, thr_r2s_ds.retile_S(rP), tDSsPt);
                     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
                     cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                    wgmma_gemm</*zero_init=*/false>(mma_kv, thr_kv.partition_fragment_A(sPt),
+                    wgmma_gemm</*zero_init=*/false>(mma_v, thr_v.partition_fragment_A(sPt),
                                                     tKVrdOt(_, _, _, state.index()), acc_dv);
                 } else {
-                    wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
+                    wgmma_gemm</*zero_init=*/false>(mma_v, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
                                                     tKVrdOt(_, _, _, state.index()), acc_dv);
                 }
             };
@@ -178,10 +180,10 @@ struct BwdMainloop {
                 copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
                 cutlass::arch::fence_view_async_shared();
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                wgmma_gemm</*zero_init=*/false>(mma_kv, thr_kv.partition_fragment_A(sdSt),
+                wgmma_gemm</*zero_init=*/false>(mma_k, thr_k.partition_fragment_A(sdSt),
                                                 tKVrQt(_, _, _, state.index()), acc_dk);
             } else {
-                wgmma_gemm</*zero_init=*/false>(mma_kv, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
+                wgmma_gemm</*zero_init=*/false>(mma_k, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
                                                 tKVrQt(_, _, _, state.index()), acc_dk);
                 // dS into shared memory once both warpgroups are done reading the last block's.
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);

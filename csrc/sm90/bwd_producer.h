@@ -30,9 +30,9 @@ struct BwdProducer {
         Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.sk, p.d, p.hk, p.b));
         Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.sk, p.d_v, p.hk, p.b));
         Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutQ{});
-        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKV{});
-        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutKV{});
+        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDO{});
+        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
         using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
         auto state = cutlass::make_producer_start_state<Pipeline>();
         int kv_free_phase = 0;
@@ -42,9 +42,9 @@ struct BwdProducer {
             const Job job(p, scheduler.job(p, x));
             if (job.empty()) continue;  // the consumers write zeros: nothing to load
             Tensor gQ = local_tile(mQ(_, _, job.h, job.b), typename Traits::TileQ{}, make_coord(_, _0{}));
-            Tensor gdO = local_tile(mdO(_, _, job.h, job.b), typename Traits::TileQ{}, make_coord(_, _0{}));
-            Tensor gK = local_tile(mK(_, _, job.kv_h, job.b), typename Traits::TileKV{}, make_coord(job.n_block, _0{}));
-            Tensor gV = local_tile(mV(_, _, job.kv_h, job.b), typename Traits::TileKV{}, make_coord(job.n_block, _0{}));
+            Tensor gdO = local_tile(mdO(_, _, job.h, job.b), typename Traits::TileDO{}, make_coord(_, _0{}));
+            Tensor gK = local_tile(mK(_, _, job.kv_h, job.b), typename Traits::TileK{}, make_coord(job.n_block, _0{}));
+            Tensor gV = local_tile(mV(_, _, job.kv_h, job.b), typename Traits::TileV{}, make_coord(job.n_block, _0{}));
             auto [tQg, tQs] =
                 tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
             auto [tdOg, tdOs] =
@@ -59,7 +59,7 @@ struct BwdProducer {
             }
             kv_loaded = true;
             if (lane == 0) {
-                shared.barrier_kv.arrive_and_expect_tx(2 * Traits::kTmaBytesKV);
+                shared.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
                 copy(args.tma_k.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tKg, tKs);
                 copy(args.tma_v.with(reinterpret_cast<BarrierType&>(shared.barrier_kv), 0), tVg, tVs);
             }

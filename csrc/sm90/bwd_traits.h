@@ -11,18 +11,21 @@
 
 namespace flashmask::sm90 {
 
-template <int kHeadDim_, typename Element_>
+// kHeadDim: of Q and K (and dQ, dK); kHeadDimV: of V and dO (and dV).
+template <int kHeadDim_, int kHeadDimV_, typename Element_>
 struct BwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = bwd_tile(kHeadDim).block_m;  // queries per step
-    static constexpr int kBlockN = bwd_tile(kHeadDim).block_n;  // keys per CTA
-    static constexpr int kStages = bwd_tile(kHeadDim).stages;
-    static constexpr int kConsumerWarpgroups = bwd_tile(kHeadDim).consumer_warpgroups;
-    static constexpr bool kEarlyDv = bwd_tile(kHeadDim).early_dv;
-    static constexpr int kDqWarps = bwd_tile(kHeadDim).dq_warps;
-    static constexpr bool kSplitHeadDim = bwd_tile(kHeadDim).split_head_dim;
-    static constexpr int kDqSlices = bwd_tile(kHeadDim).dq_slices;
+    static constexpr int kHeadDimV = kHeadDimV_;
+    static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV);
+    static constexpr int kBlockM = kTile.block_m;  // queries per step
+    static constexpr int kBlockN = kTile.block_n;  // keys per CTA
+    static constexpr int kStages = kTile.stages;
+    static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups;
+    static constexpr bool kEarlyDv = kTile.early_dv;
+    static constexpr int kDqWarps = kTile.dq_warps;
+    static constexpr bool kSplitHeadDim = kTile.split_head_dim;
+    static constexpr int kDqSlices = kTile.dq_slices;
     static_assert(!kSplitHeadDim || kEarlyDv, "split: dV is issued as soon as P^T is in shared memory");
     static_assert(kDqWarps >= 1 && kDqWarps <= 3, "the producer warpgroup has three warps besides the producer");
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -36,7 +39,9 @@ struct BwdTraits {
     static_assert(kBlockN == 64 * kConsumerWarpgroups / kGroupsPerKeyTile);
 
     using TileQ = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>;
-    using TileKV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+    using TileDO = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>;
+    using TileK = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+    using TileV = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>>;
     using TileST = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>;  // (keys, queries)
 
     // Key-stationary: S^T = K Q^T and dP^T = V dO^T have the keys as rows. Each consumer warpgroup
@@ -52,15 +57,18 @@ struct BwdTraits {
                                    cute::Shape<cute::Int<64>, cute::Int<kBlockM / kGroupsPerKeyTile>,
                                                cute::Int<kHeadDim>>>(),
         AtomKeys{}));
-    using ShapeKV = cute::Shape<cute::Int<64>, cute::Int<kHeadDim / kGroupsPerKeyTile>, cute::Int<kBlockM>>;
-    using TiledMmaKV = std::conditional_t<
+    // dK += dS^T Q (kDim: the head dim) and dV += P^T dO (the value head dim).
+    template <int kDim, typename Shape = cute::Shape<cute::Int<64>, cute::Int<kDim / kGroupsPerKeyTile>, cute::Int<kBlockM>>>
+    using MmaRowsTimesQueries = std::conditional_t<
         kSplitHeadDim,
-        decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, ShapeKV,
-                                                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+        decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, Shape, cute::GMMA::Major::MN,
+                                                                 cute::GMMA::Major::MN>(),
                                       AtomCols{})),
-        decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<Element, Element, float, ShapeKV,
-                                                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+        decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<Element, Element, float, Shape, cute::GMMA::Major::K,
+                                                                 cute::GMMA::Major::MN>(),
                                       AtomKeys{}))>;
+    using TiledMmaK = MmaRowsTimesQueries<kHeadDim>;
+    using TiledMmaV = MmaRowsTimesQueries<kHeadDimV>;
     using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kDqSlices>>;  // one slice of dQ
     using TiledMmaQ = decltype(cute::make_tiled_mma(
         cute::GMMA::ss_op_selector<
@@ -76,20 +84,27 @@ struct BwdTraits {
     // The swizzle atoms' width: where the warpgroups split the head dim, each warpgroup's columns
     // of Q^T, dO^T (dK, dV) and K^T (dQ) must be whole atoms of the MN-major B operand (head dim
     // 192: 96 columns, 64-byte swizzle).
-    static constexpr int kQAtomCols = kSplitHeadDim ? kHeadDim / kConsumerWarpgroups : kHeadDim;
     static constexpr int kKAtomCols = kSplitHeadDim ? kHeadDim / kDqSlices / kConsumerWarpgroups : kHeadDim;
-    // Q and dO: (queries, head dim, stage); their transposes are the B operands of dK and dV.
-    using SmemLayoutQ = decltype(cute::tile_to_shape(
-        KMajorAtom<kBlockM, kQAtomCols>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-    using SmemLayoutQt = decltype(cute::composition(
-        SmemLayoutQ{},
-        cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+    // Q and dO: (queries, kDim, stage); their transposes are the B operands of dK and dV.
+    template <int kDim>
+    using SmemLayoutRows = decltype(cute::tile_to_shape(
+        KMajorAtom<kBlockM, kDim / kGroupsPerKeyTile>{},
+        cute::Shape<cute::Int<kBlockM>, cute::Int<kDim>, cute::Int<kStages>>{}));
+    template <int kDim>
+    using SmemLayoutRowsT = decltype(cute::composition(
+        SmemLayoutRows<kDim>{},
+        cute::make_ordered_layout(cute::Shape<cute::Int<kDim>, cute::Int<kBlockM>, cute::Int<kStages>>{},
                                   cute::Step<cute::_2, cute::_1, cute::_3>{})));
+    using SmemLayoutQ = SmemLayoutRows<kHeadDim>;
+    using SmemLayoutQt = SmemLayoutRowsT<kHeadDim>;
+    using SmemLayoutDO = SmemLayoutRows<kHeadDimV>;
+    using SmemLayoutDOt = SmemLayoutRowsT<kHeadDimV>;
     // K and V: (keys, head dim); K^T is the B operand of dQ (a slice of its rows per dQ slice).
-    using SmemLayoutKV = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kKAtomCols>{}, TileKV{}));
+    using SmemLayoutK = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kKAtomCols>{}, TileK{}));
     using SmemLayoutKt = decltype(cute::composition(
-        SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
-                                                  cute::Step<cute::_2, cute::_1>{})));
+        SmemLayoutK{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                                 cute::Step<cute::_2, cute::_1>{})));
+    using SmemLayoutV = decltype(cute::tile_to_shape(KMajorAtom<kBlockN, kHeadDimV>{}, TileV{}));
     // dS (and P where kSplitHeadDim): (queries, keys), the A operand of dQ.
     using SmemLayoutDS = decltype(cute::tile_to_shape(KMajorAtom<kBlockM, kBlockN>{},
                                                       cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
@@ -100,13 +115,16 @@ struct BwdTraits {
 
     // dK and dV leave through shared memory (tile_store.h), one after the other through the dQ
     // buffer, between jobs (the Q and dO buffers already hold the next job's first blocks).
-    using KVStore = WarpgroupRowsStore<Element, kHeadDim, kGroupsPerKeyTile>;
-    static_assert(cute::cosize_v<typename KVStore::template SmemLayout<kBlockN>> * sizeof(Element) <=
+    using KStore = WarpgroupRowsStore<Element, kHeadDim, kGroupsPerKeyTile>;
+    using VStore = WarpgroupRowsStore<Element, kHeadDimV, kGroupsPerKeyTile>;
+    static_assert(cute::cosize_v<typename KStore::template SmemLayout<kBlockN>> * sizeof(Element) <=
                   kBlockM * kHeadDim * sizeof(float));
+    static_assert(kHeadDimV <= kHeadDim, "dV goes through the dQ buffer too");
 
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
-    static constexpr int kTmaBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+    static constexpr int kTmaBytesDO = kBlockM * kHeadDimV * int(sizeof(Element));
+    static constexpr int kTmaBytesKV = kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
     static constexpr int kBytesRows = kBlockM * int(sizeof(float));  // a query block's LSE, or D
     // A ring longer than the pipeline: the producer writes a block's ticket before it waits for the
     // block's stage, so a slot is rewritten only after the consumers released a later block.
@@ -115,9 +133,9 @@ struct BwdTraits {
 
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
-        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> dout;
-        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> k;
-        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>> v;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDO>> dout;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k;
+        alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>> v;
         alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> ds;
         alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? cute::cosize_v<SmemLayoutDS> : 0> p;
         // A query block's dQ on its way to global memory (bwd_dq_warps.h), and between jobs dK and dV

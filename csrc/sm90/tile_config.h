@@ -127,4 +127,9 @@ constexpr BwdTile bwd_tile(int head_dim) {
     return t;
 }
 
+// A pair of head dims (q/k, v) takes the tiles of its wider one.
+constexpr BwdTile bwd_tile(int head_dim, int head_dim_v) {
+    return bwd_tile(head_dim > head_dim_v ? head_dim : head_dim_v);
+}
+
 }  // namespace flashmask::sm90

@@ -48,13 +48,12 @@ def test_head_dim_pairs():
     assert inst.arch_head_dim_pairs("sm90") == [(d, d) for d in inst.ARCH_HEAD_DIMS["sm90"]] + [(192, 128)]
 
 
-def test_sm90_backward_head_dims():
-    """The SM90 backward is built for the head dims KERNEL_HEAD_DIMS gives it, the forward for every
-    SM90 pair; a set without a backward leaves it to the SM80 kernels (null slot in the registry)."""
+def test_sm90_kernels_cover_every_sm90_pair():
+    """The SM90 forward and backward are built for every SM90 pair, (192, 128) included."""
     sm90 = inst.instantiations(archs=["sm90"], dtypes=["bf16"])
-    assert {(i.head_dim, i.head_dim_v) for i in sm90 if i.kernel == "fwd"} == set(inst.arch_head_dim_pairs("sm90"))
-    assert {i.head_dim for i in sm90 if i.kernel == "bwd_kv"} == set(inst.KERNEL_HEAD_DIMS[("sm90", "bwd_kv")])
-    assert all(i.head_dim == i.head_dim_v for i in sm90 if i.kernel == "bwd_kv")
+    for kernel in ("fwd", "bwd_kv"):
+        pairs = {(i.head_dim, i.head_dim_v) for i in sm90 if i.kernel == kernel}
+        assert pairs == set(inst.arch_head_dim_pairs("sm90")), kernel
 
 
 def test_names_of_equal_and_unequal_instantiations():
@@ -69,9 +68,8 @@ def test_names_of_equal_and_unequal_instantiations():
 
 def test_selection_and_errors():
     full = inst.instantiations()
-    assert len(full) == sum(len(inst.arch_head_dim_pairs(a)) if (a, k) not in inst.KERNEL_HEAD_DIMS
-                            else len(inst.KERNEL_HEAD_DIMS[(a, k)])
-                            for a in inst.KERNELS for k in inst.KERNELS[a]) * len(inst.DTYPES)
+    assert len(full) == sum(len(inst.arch_head_dim_pairs(a)) * len(inst.KERNELS[a])
+                            for a in inst.KERNELS) * len(inst.DTYPES)
     one = inst.instantiations([128], ["bf16"], ["sm80"])
     assert {(i.kernel, i.head_dim, i.head_dim_v, i.dtype) for i in one} == \
         {(k, 128, 128, "bf16") for k in inst.KERNELS["sm80"]}
@@ -79,7 +77,7 @@ def test_selection_and_errors():
     mla = inst.instantiations([192], ["bf16"], ["sm80", "sm90"])
     assert {(i.arch, i.kernel, i.head_dim, i.head_dim_v) for i in mla} == \
         {("sm80", k, 192, dv) for k in inst.KERNELS["sm80"] for dv in (192, 128)} | \
-        {("sm90", "fwd", 192, dv) for dv in (192, 128)} | {("sm90", "bwd_kv", 192, 192)}
+        {("sm90", k, 192, dv) for k in inst.KERNELS["sm90"] for dv in (192, 128)}
     assert all(i.head_dim_v == i.head_dim for i in inst.instantiations([64, 128, 256]))
     with pytest.raises(ValueError, match="unknown head dims"):
         inst.instantiations([100], ["bf16"], ["sm80"])
@@ -130,10 +128,9 @@ def test_generated_units_and_registry(tmp_path):
     assert os.path.getmtime(paths[0]) == before - 100
 
 
-# The SM80 backward head dims the SM90 backward holds (KERNEL_HEAD_DIMS; 32 rounds up to 64 and
-# (192, 128) to 192).
+# The SM80 backward head dims an SM90 backward holds (32 rounds up to 64).
 SERVED = {(d, dv) for d, dv in inst.arch_head_dim_pairs("sm80")
-          if any(d <= s and dv <= s for s in inst.KERNEL_HEAD_DIMS[("sm90", "bwd_kv")])}
+          if any(d <= s and dv <= sv for s, sv in inst.arch_head_dim_pairs("sm90"))}
 
 
 def _skipped(archs, head_dims=inst.HEAD_DIMS):

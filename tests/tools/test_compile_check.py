@@ -99,10 +99,10 @@ def test_generated_unit_follows_the_build_archs(tmp_path):
     assert macro not in open(compile_check.generated_unit(str(tmp_path / "b"), kv128, ["90"])).read()
     assert macro in open(compile_check.generated_unit(str(tmp_path / "c"), kv256, ["80", "90"])).read()
     assert macro not in open(compile_check.generated_unit(str(tmp_path / "c90"), kv256, ["90"])).read()
-    # An instantiation no build lists is still written (the SM90 backward at (192, 128)).
+    # An instantiation no build lists is still written (the SM90 forward at head dim 32).
     path = compile_check.generated_unit(str(tmp_path / "d"), compile_check.inst.Instantiation(
-        "sm90", "bwd_kv", 192, 128, "bf16"), ["80", "90"])
-    assert path.endswith("sm90/bwd_kv_hdim192x128_bf16.cu")
+        "sm90", "fwd", 32, 32, "bf16"), ["80", "90"])
+    assert path.endswith("sm90/fwd_hdim32_bf16.cu")
 
 
 def test_cxx_standard_is_torchs():

@@ -104,10 +104,10 @@ def compiled_archs(head_dim: int, dtype: torch.dtype, head_dim_v: Optional[int] 
 
 def backward_archs(head_dim: int, dtype: torch.dtype, cc: int, head_dim_v: Optional[int] = None) -> Tuple[int, ...]:
     """Those of :func:`compiled_archs` whose backward runs on a device of compute capability ``cc``
-    (major * 10 + minor). The SM90 family has no backward above head dim 128, and a build for sm_80
-    and sm_90 compiles the SM80 backward for sm_80 only where the SM90 backward serves the head dims
-    on sm_90 (``FLASHMASK_ARCHS=90`` keeps it there); a backward forced onto a family without it runs
-    on the newest family that has it."""
+    (major * 10 + minor). A build for sm_80 and sm_90 compiles the SM80 backward for sm_80 only,
+    the SM90 backward serving every head dim on sm_90 (``FLASHMASK_ARCHS=90`` keeps it there); a
+    backward forced onto a family without it runs on the newest family that has it. Exact pairs
+    only: (160, 128) has no kernel of its own and gives ()."""
     if _C is None:
         return ()
     dv = head_dim if head_dim_v is None else head_dim_v

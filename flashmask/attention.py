@@ -46,8 +46,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         backend: ``"auto"`` (the CUDA kernels when built and the inputs qualify, else the reference
             path), ``"cuda"`` (raises if the kernels cannot run), ``"sm80"`` / ``"sm90"`` (the CUDA
             kernels of that architecture family: ``"sm80"`` runs the mma.sync kernels on a Hopper GPU
-            too, its backward at head dims up to 128 only in a build with ``FLASHMASK_ARCHS=90`` (else
-            on the SM90 kernels); the environment variable ``FLASHMASK_ARCH=80|90``, read once per
+            too, its backward only in a build with ``FLASHMASK_ARCHS=90`` (else on the SM90
+            kernels); the environment variable ``FLASHMASK_ARCH=80|90``, read once per
             process, does the same for ``"cuda"``) or
             ``"reference"``.
         validate: also check every mask value: each must lie in ``[0, Sq]``, with ``LTS <= LTE`` and

@@ -185,8 +185,8 @@ Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot
         return best != nullptr && has(*best, slot, cc) ? best : nullptr;
     };
     const KernelSet* best = pick(arch);
-    // A forced family without that backward here (the SM90 one above head dim 128, the SM80 one a
-    // build for sm_80 and sm_90 leaves out of sm_90) leaves it to the newest family that has it.
+    // A forced family without that backward here (the SM80 one a build for sm_80 and sm_90 leaves
+    // out of sm_90) leaves it to the newest family that has it.
     if (best == nullptr && slot != Slot::fwd && arch != 0) best = pick(0);
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),
                 "kernel compiled for ", dims_str(d, dv), " and dtype ", dtype_name(dtype),

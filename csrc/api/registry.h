@@ -52,8 +52,7 @@ std::vector<std::string> compiled_dtypes();
 // head_dim_v 0 means equal to head_dim.
 std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, int64_t head_dim_v = 0);
 // Those of them whose backward (atomic and deterministic) runs on a device of compute capability
-// `cc`: a family may lack it (the SM90 backward above head dim 128) or have it for older devices
-// only (KernelSet::bwd_skips_sm90).
+// `cc`: a family may have it for older devices only (KernelSet::bwd_skips_sm90).
 std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v = 0);
 
 // The kernels for head dims (d, dv) of q/k and v and dtype on a device of compute capability `cc`

@@ -28,7 +28,7 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     const auto gq =
         tma_view<Element, kHeadDim>(p.q, p.sq, p.d, p.hq, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
     const auto gdo = tma_view<Element, kHeadDimV>(p.dout, p.sq, p.d_v, p.hq, p.b, p.do_row_stride, p.do_head_stride,
-                                                 p.do_batch_stride);
+                                                  p.do_batch_stride);
     const auto gk =
         tma_view<Element, kHeadDim>(p.k, p.sk, p.d, p.hk, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
     const auto gv =
@@ -40,8 +40,8 @@ void run_bwd(const BwdParams& p, cudaStream_t stream) {
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, typename Traits::SmemLayoutV{}, typename Traits::TileV{}, _1{});
     const auto gdk =
         tma_view<Element, kHeadDim>(p.dk, p.sk, p.d, p.hq, p.b, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride);
-    const auto gdv =
-        tma_view<Element, kHeadDimV>(p.dv, p.sk, p.d_v, p.hq, p.b, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
+    const auto gdv = tma_view<Element, kHeadDimV>(p.dv, p.sk, p.d_v, p.hq, p.b, p.dv_row_stride, p.dv_head_stride,
+                                                  p.dv_batch_stride);
     auto tma_dk = Traits::KStore::make_tma(gdk);
     auto tma_dv = Traits::VStore::make_tma(gdv);
     using Args = BwdArgs<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v), decltype(tma_dk),

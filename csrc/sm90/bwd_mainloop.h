@@ -29,7 +29,7 @@ struct BwdMainloop {
     static constexpr bool Has_mask = kMaskC > 0;
     static constexpr int kBlockM = Traits::kBlockM;
     static constexpr int kBlockN = Traits::kBlockN;
-    static constexpr int kDqHandoff = Traits::kConsumerThreads + 32;  // the consumers and one dQ warp
+    static constexpr int kDqHandoff = Traits::kConsumerThreads + 32;      // the consumers and one dQ warp
     static constexpr int kDqCols = Traits::kHeadDim / Traits::kDqSlices;  // the head-dim columns of a dQ slice
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
@@ -180,8 +180,8 @@ struct BwdMainloop {
                 copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
                 cutlass::arch::fence_view_async_shared();
                 cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                wgmma_gemm</*zero_init=*/false>(mma_k, thr_k.partition_fragment_A(sdSt),
-                                                tKVrQt(_, _, _, state.index()), acc_dk);
+                wgmma_gemm</*zero_init=*/false>(mma_k, thr_k.partition_fragment_A(sdSt), tKVrQt(_, _, _, state.index()),
+                                                acc_dk);
             } else {
                 wgmma_gemm</*zero_init=*/false>(mma_k, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
                                                 tKVrQt(_, _, _, state.index()), acc_dk);

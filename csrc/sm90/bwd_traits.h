@@ -49,24 +49,25 @@ struct BwdTraits {
     // dK += dS^T Q; or (kSplitHeadDim) the warpgroups split the queries of S^T and dP^T and the head
     // dim of dK and dV, P^T and dS^T passing through shared memory. dQ = dS K reads dS from shared
     // memory; there the warpgroups split the head dim, kDqSlices slices one after the other.
-    using AtomKeys = cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups / kGroupsPerKeyTile>,
-                                              cute::Int<kGroupsPerKeyTile>, cute::_1>>;
+    using AtomKeys = cute::Layout<
+        cute::Shape<cute::Int<kConsumerWarpgroups / kGroupsPerKeyTile>, cute::Int<kGroupsPerKeyTile>, cute::_1>>;
     using AtomCols = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;
     using TiledMmaSdP = decltype(cute::make_tiled_mma(
-        cute::GMMA::ss_op_selector<Element, Element, float,
-                                   cute::Shape<cute::Int<64>, cute::Int<kBlockM / kGroupsPerKeyTile>,
-                                               cute::Int<kHeadDim>>>(),
+        cute::GMMA::ss_op_selector<
+            Element, Element, float,
+            cute::Shape<cute::Int<64>, cute::Int<kBlockM / kGroupsPerKeyTile>, cute::Int<kHeadDim>>>(),
         AtomKeys{}));
     // dK += dS^T Q (kDim: the head dim) and dV += P^T dO (the value head dim).
-    template <int kDim, typename Shape = cute::Shape<cute::Int<64>, cute::Int<kDim / kGroupsPerKeyTile>, cute::Int<kBlockM>>>
+    template <int kDim,
+              typename Shape = cute::Shape<cute::Int<64>, cute::Int<kDim / kGroupsPerKeyTile>, cute::Int<kBlockM>>>
     using MmaRowsTimesQueries = std::conditional_t<
         kSplitHeadDim,
-        decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, Shape, cute::GMMA::Major::MN,
-                                                                 cute::GMMA::Major::MN>(),
-                                      AtomCols{})),
-        decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<Element, Element, float, Shape, cute::GMMA::Major::K,
-                                                                 cute::GMMA::Major::MN>(),
-                                      AtomKeys{}))>;
+        decltype(cute::make_tiled_mma(
+            cute::GMMA::ss_op_selector<Element, Element, float, Shape, cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+            AtomCols{})),
+        decltype(cute::make_tiled_mma(
+            cute::GMMA::rs_op_selector<Element, Element, float, Shape, cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+            AtomKeys{}))>;
     using TiledMmaK = MmaRowsTimesQueries<kHeadDim>;
     using TiledMmaV = MmaRowsTimesQueries<kHeadDimV>;
     using TileDq = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim / kDqSlices>>;  // one slice of dQ
@@ -87,9 +88,9 @@ struct BwdTraits {
     static constexpr int kKAtomCols = kSplitHeadDim ? kHeadDim / kDqSlices / kConsumerWarpgroups : kHeadDim;
     // Q and dO: (queries, kDim, stage); their transposes are the B operands of dK and dV.
     template <int kDim>
-    using SmemLayoutRows = decltype(cute::tile_to_shape(
-        KMajorAtom<kBlockM, kDim / kGroupsPerKeyTile>{},
-        cute::Shape<cute::Int<kBlockM>, cute::Int<kDim>, cute::Int<kStages>>{}));
+    using SmemLayoutRows =
+        decltype(cute::tile_to_shape(KMajorAtom<kBlockM, kDim / kGroupsPerKeyTile>{},
+                                     cute::Shape<cute::Int<kBlockM>, cute::Int<kDim>, cute::Int<kStages>>{}));
     template <int kDim>
     using SmemLayoutRowsT = decltype(cute::composition(
         SmemLayoutRows<kDim>{},

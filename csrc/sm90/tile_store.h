@@ -2,8 +2,8 @@
 // warpgroup converts its 64 rows to 16 bits, writes them into its own shared-memory buffer
 // (stmatrix), and one of its threads hands the buffer to the TMA unit, which clips rows and
 // columns past the tensor's end. With kGroupsPerTile > 1 that many warpgroups share one 64-row
-// tile, each holding some of its columns, and the first of them stores it. The warpgroup goes on while the store runs; only its next store
-// into the buffer, or drain() before the CTA exits, waits for the TMA unit to have read it. The
+// tile, each holding some of its columns, and the first of them stores it. The warpgroup goes on while the store runs;
+// only its next store into the buffer, or drain() before the CTA exits, waits for the TMA unit to have read it. The
 // forward writes O this way, the backward dK and dV.
 #pragma once
 #include <cute/tensor.hpp>
@@ -18,13 +18,13 @@ using namespace cute;
 template <typename Element, int kHeadDim, int kGroupsPerTile = 1>
 struct WarpgroupRowsStore {
     static constexpr int kTileThreads = 128 * kGroupsPerTile;  // the threads that write one buffer
-    using TileHalf = Shape<_64, Int<kHeadDim>>;  // one consumer warpgroup's rows
+    using TileHalf = Shape<_64, Int<kHeadDim>>;                // one consumer warpgroup's rows
     // One row tile's buffer, as the TMA store reads it; its swizzle atoms no wider than each
     // warpgroup's columns.
-    using SmemLayoutHalf = decltype(tile_to_shape(
-        cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64,
-                                                            Int<kHeadDim / kGroupsPerTile>>(),
-        TileHalf{}));
+    using SmemLayoutHalf =
+        decltype(tile_to_shape(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64,
+                                                                                   Int<kHeadDim / kGroupsPerTile>>(),
+                               TileHalf{}));
     static constexpr int kHalfElems = cosize_v<SmemLayoutHalf>;
     // All warpgroups' buffers together, as the (rows, head dim) tile that the accumulator partitions.
     template <int kRows>

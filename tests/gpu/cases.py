@@ -61,8 +61,8 @@ def skip_unless_backward_on(arch, q, head_dim_v=None):
     """A backward forced onto family ``arch`` (0: none) that this device does not run it for goes to
     the newest family that has it: where that is a newer family (a build for sm_80 and sm_90 leaves
     the SM80 backward out of sm_90 at the head dims the SM90 backward serves), the test would only
-    repeat that family's own run, so it skips. An older one (the SM80 backward under a forced sm90
-    above head dim 128) is the pairing a Hopper GPU runs, and is tested."""
+    repeat that family's own run, so it skips. An older one (a forced family without the backward
+    here) is the pairing a Hopper GPU runs, and is tested."""
     if not arch:
         return
     for slot in ("bwd", "bwd_deterministic"):

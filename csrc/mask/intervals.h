@@ -92,4 +92,33 @@ __host__ __device__ __forceinline__ RowSpanMask rows_masked(const int (&v)[kC], 
     }
 }
 
+// The query rows that may attend key column j, as at most three runs [lo[t], hi[t]) in ascending
+// order: the rows [0, Sq) less the column's two intervals (clamped to [0, Sq]) and, with causal,
+// the rows above the bottom-right aligned diagonal (row i sees key j iff j <= i + Sk - Sq). Returns
+// the number of runs. The per-row key counts of the forward (mask/keys_seen.cu) sum these runs.
+__host__ __device__ inline int visible_runs(const ColumnIntervals& iv, int j, bool causal, int sq, int sk, int (&lo)[3],
+                                            int (&hi)[3]) {
+    const auto clamp = [sq](int x) { return x < 0 ? 0 : x > sq ? sq : x; };
+    // The hidden runs, sorted by start: the visible rows are the gaps between them.
+    int a[3] = {0, clamp(iv.lts), clamp(iv.uts)};
+    int b[3] = {causal ? clamp(j - (sk - sq)) : 0, clamp(iv.lte), clamp(iv.ute)};
+    for (int i = 0; i < 2; ++i) {
+        for (int t = 0; t < 2 - i; ++t) {
+            if (a[t + 1] < a[t]) {
+                const int x = a[t], y = b[t];
+                a[t] = a[t + 1], b[t] = b[t + 1];
+                a[t + 1] = x, b[t + 1] = y;
+            }
+        }
+    }
+    int runs = 0, seen_to = 0;  // rows below seen_to are hidden or already in a run
+    for (int t = 0; t < 3; ++t) {
+        if (b[t] <= a[t]) continue;
+        if (a[t] > seen_to) lo[runs] = seen_to, hi[runs++] = a[t];
+        seen_to = seen_to > b[t] ? seen_to : b[t];
+    }
+    if (seen_to < sq) lo[runs] = seen_to, hi[runs++] = sq;
+    return runs;
+}
+
 }  // namespace flashmask

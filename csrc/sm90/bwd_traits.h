@@ -152,6 +152,7 @@ struct BwdTraits {
         typename Pipeline::SharedStorage pipeline_q;  // Q and dO of a query block travel together
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 SM has for one block");
 };
 
 }  // namespace flashmask::sm90

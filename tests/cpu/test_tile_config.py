@@ -1,5 +1,6 @@
 """The SM90 kernels' tile configuration (csrc/sm90/tile_config.h) on the CPU, with a C++ compiler:
-the header is plain C++. Also the SM80 tiles of the unequal (head dim, value head dim) pairs.
+the header is plain C++. Also the SM80 tiles of the unequal (head dim, value head dim) pairs, and
+the register budget of the SM90 backward's tiles at every head dim.
 
 setmaxnreg only moves registers within what the CTA got at launch; a producer / consumer split that
 asks for more makes the consumers' setmaxnreg wait for ever (a head dim 128 forward with 32 producer
@@ -37,6 +38,28 @@ static_assert(!fwd_tile(128).group_sight || fwd_tile(128).consumer_warpgroups ==
 static_assert(!fwd_tile(64).group_sight || fwd_tile(64).consumer_warpgroups == 3, "pingpong skips");
 static_assert(bwd_tile(64).dq_warps >= 1 && bwd_tile(64).dq_warps <= 3, "three warps besides the producer");
 static_assert(bwd_tile(128).dq_warps >= 1 && bwd_tile(128).dq_warps <= 3, "three warps besides the producer");
+// The backward keeps a warpgroup's dK and dV accumulators in registers: 64 keys' rows, split over
+// the warpgroups that share them. Beside S^T, dP^T and a dQ slice they must leave room in 240.
+constexpr int dkdv_floats(int d, int dv) {
+    const BwdTile t = bwd_tile(d, dv);
+    return 64 * (d + dv) / (128 * (t.split_head_dim ? t.consumer_warpgroups : 1));
+}
+constexpr int dq_slice_floats(int d) {
+    const BwdTile t = bwd_tile(d);
+    return t.block_m * d / t.dq_slices / (128 * t.consumer_warpgroups);
+}
+constexpr bool bwd_fits(int d, int dv) {
+    const BwdTile t = bwd_tile(d, dv);
+    return dkdv_floats(d, dv) <= 128 && dkdv_floats(d, dv) + dq_slice_floats(d) <= 160 &&
+           t.block_n == 64 * (t.split_head_dim ? 1 : t.consumer_warpgroups) &&
+           d % (8 * t.dq_slices * t.consumer_warpgroups) == 0 && t.dq_warps >= 1 && t.dq_warps <= 3 &&
+           (!t.split_head_dim || t.early_dv) && t.stages >= 1;
+}
+static_assert(bwd_fits(64, 64) && bwd_fits(96, 96) && bwd_fits(128, 128), "backward tiles up to 128");
+static_assert(bwd_fits(192, 192) && bwd_fits(256, 256) && bwd_fits(192, 128), "backward tiles above 128");
+// Above 128 whole rows of 64 keys would not fit: the warpgroups must split the head dim there.
+static_assert(64 * (256 + 256) / 128 > 128 && bwd_tile(256).split_head_dim && bwd_tile(192).split_head_dim, "split");
+static_assert(bwd_tile(192, 128).block_n == bwd_tile(192).block_n, "a pair takes its wider head dim's tiles");
 int main() { return 0; }
 """
 

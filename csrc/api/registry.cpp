@@ -24,7 +24,7 @@ bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
 TileSizes tiles_of(const KernelSet& k) {
     if (k.arch == 90) {
         const sm90::FwdTile f = sm90::fwd_tile(k.head_dim, k.head_dim_v);
-        const sm90::BwdTile b = sm90::bwd_tile(k.head_dim);
+        const sm90::BwdTile b = sm90::bwd_tile(k.head_dim, k.head_dim_v);
         return {f.block_m, f.block_n, b.block_m, b.block_n, f.decode_warp_keys};
     }
     const sm80::FwdTile f = sm80::fwd_tile(k.head_dim, k.head_dim_v);

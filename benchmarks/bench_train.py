@@ -64,17 +64,23 @@ Examples::
         --doc-len 8192,32768 --gradient-checkpointing --steps 3 --warmup-steps 2
     python -m benchmarks.bench_train --arch gemma2 --seqlens 8k,32k --gradient-checkpointing  # + eager, flex
     python -m benchmarks.bench_train --arch gpt_oss --seqlens 8k,32k --gradient-checkpointing
+    python -m benchmarks.bench_train --arch gemma3 --seqlens 32k --methods flashmask,flex --profile  # attention's share
+
+``--profile`` runs one more step per row under ``torch.profiler`` (:mod:`benchmarks.step_profile`)
+and reports its GPU time split into attention kernels and the rest, with a Chrome trace per row.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import os
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -88,6 +94,7 @@ from benchmarks.flops import total_pairs
 from benchmarks.methods import Skip
 from benchmarks.output import default_out_dir, environment, write_results
 from benchmarks.report import fmt_len, format_table, shorten, table_cell
+from benchmarks.step_profile import profile_step
 from benchmarks.timing import sync
 from flashmask.losses import final_logit_softcap
 from training_examples.byte_tokenizer import VOCAB_SIZE
@@ -106,7 +113,8 @@ NO_SDPA = {"gemma2": "SDPA has no logit soft-capping (Gemma 2's attn_logit_softc
            "gpt_oss": "SDPA has no attention sinks (GPT-OSS's s_aux: its sdpa path would drop them)"}
 FIELDS = ("model", "params", "seqlen", "batch", "method", "attn_implementation", "status", "find_max",
           "tokens_per_s", "ms_per_step", "ms_min", "mask_ms", "peak_mem_gib", "peak_mem_bytes", "first_step_s",
-          "loss_first", "loss_last", "docs_per_row", "density", "notes")
+          "loss_first", "loss_last", "docs_per_row", "density", "profiled_ms", "kernel_ms", "attn_kernel_ms",
+          "attn_share", "notes")
 MAX_SEQLEN = 1 << 20  # 1M tokens: a 0.5B model with gradient checkpointing runs out of memory there on 80 GB
 _FALLBACK_WARNING = "flashmask: using the reference path"
 
@@ -174,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "allocator); expandable segments avoid fragmentation OOMs at long contexts")
     p.add_argument("--out", default=None, help="folder for train.csv / train.json; default runs/train")
     p.add_argument("--seed", type=int, default=0, help="model init and data")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step per row under torch.profiler: its GPU time split into attention kernels "
+                        "and the rest (benchmarks/step_profile.py), and a Chrome trace trace_METHOD_S.json in --out")
     add_testing_args(p)
     return p
 
@@ -578,6 +589,11 @@ def train_step(model, opt, batch: dict, mask_kw: dict, args) -> torch.Tensor:
     return loss.detach()
 
 
+def masked_step(method: str, model, opt, batch: dict, args, device, dtype, windows) -> torch.Tensor:
+    """One step with the method's mask built from ``batch`` first, as a timed step is."""
+    return train_step(model, opt, batch, mask_inputs(method, args, batch, device, dtype, windows), args)
+
+
 # --------------------------------------------------------------------------------------------
 # Runs
 # --------------------------------------------------------------------------------------------
@@ -635,9 +651,22 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
             print(f"    {label:18s} {(t2 - t0) * 1e3:10.1f} ms  (mask {(t1 - t0) * 1e3:.1f} ms)  loss {loss:.4f}",
                   flush=True)
     peak = peak_since(device, 0)
+    prof = {}
+    if args.profile:
+        where["stage"] = "profiled step"
+        batch = {k: v.to(device) for k, v in batches[-1].items()}
+        trace = Path(args.out) / f"trace_{method}_{fmt_len(seqlen)}.json"
+        step = functools.partial(masked_step, method, model, opt, batch, args, device, dtype, windows)
+        split = profile_step(step, device, trace)
+        batch = None
+        prof = {"profiled_ms": split["wall_ms"], "kernel_ms": split["total_ms"],
+                "attn_kernel_ms": split["attention_ms"], "attn_share": split["attention_share"]}
+        top = ", ".join(f"{shorten(n, 48)} {ms:.1f} ms x{c}" for n, ms, c in split["top"][:3])
+        print(f"    profiled step      {split['wall_ms']:10.1f} ms  (GPU {split['total_ms']:.1f} ms, attention "
+              f"{split['attention_ms']:.1f} ms)  top: {top}", flush=True)
     del model, opt
     tokens = args.batch * seqlen
-    return {"params": params, "tokens_per_s": tokens * len(times) / sum(times),
+    return {**prof, "params": params, "tokens_per_s": tokens * len(times) / sum(times),
             "ms_per_step": 1e3 * statistics.mean(times), "ms_min": 1e3 * min(times),
             "mask_ms": 1e3 * statistics.mean(mask_times), "peak_mem_bytes": peak,
             "peak_mem_gib": None if peak is None else peak / 2 ** 30, "first_step_s": first_step_s,
@@ -697,6 +726,22 @@ def summary_table(rows: List[dict]) -> str:
                       table_cell(r, "loss_first", "{:.4f}"), speed, shorten(r.get("notes"))])
     headers = ["S", "method", "tok/s", "ms/step", "mask ms", "peak GiB", "loss0", "fm speedup", "notes"]
     return format_table(headers, table, align="rlrrrrrrl")
+
+
+def profile_table(rows: List[dict]) -> str:
+    """``--profile``: per (S, method), the profiled step's wall time, its GPU time, the attention
+    kernels' part of it and the rest, and the most a free attention could speed the step up."""
+    table = []
+    for r in rows:
+        if r.get("kernel_ms") is None:
+            continue
+        share = r.get("attn_share")
+        table.append([fmt_len(r["seqlen"]), r["method"], f"{r['profiled_ms']:.1f}", f"{r['kernel_ms']:.1f}",
+                      f"{r['attn_kernel_ms']:.1f}", "-" if share is None else f"{100 * share:.1f}%",
+                      f"{r['kernel_ms'] - r['attn_kernel_ms']:.1f}",
+                      "-" if share is None or share >= 1 else f"{1 / (1 - share):.2f}x"])
+    headers = ["S", "method", "step ms", "GPU ms", "attention ms", "attention", "other ms", "free-attention bound"]
+    return format_table(headers, table, align="rlrrrrrr")
 
 
 def find_max(method: str, rows: List[dict], args, device, dtype, add) -> dict:
@@ -794,6 +839,9 @@ def run(args) -> list:
     csv_path, json_path = write_results(args.out, "train", rows, FIELDS, meta)
     print()
     print(summary_table(rows))
+    if args.profile:
+        print("\nprofiled step (GPU time of the kernels; on a CPU, of the operators):")
+        print(profile_table(rows))
     if meta.get("find_max"):
         print()
     for method, fm in meta.get("find_max", {}).items():

@@ -46,9 +46,9 @@ GEMMA2_SIZES = {
 
 # GPT-OSS: attention sinks (one learnable logit per query head), head dim 64, 8 query heads per
 # key/value head, a 128-token sliding window on every other layer, YaRN RoPE, biased projections.
-# Its mixture of experts is reduced to one expert, routed to by every token (top-1 of 1: a dense
-# MLP of GPT-OSS's clamped SwiGLU through the model's own expert code), so that routing and the
-# weights of 32 experts do not weigh on a comparison of attention backends.
+# Its mixture of experts is reduced to one expert, routed to by every token (top-1 of 1), run as a
+# dense MLP of GPT-OSS's clamped SwiGLU (:func:`dense_single_expert`), so that neither routing, nor
+# the experts' token gathers, nor the weights of 32 experts weigh on a comparison of attention backends.
 GPT_OSS_SIZES = {
     # CPU tests: layer 0 slides, layer 1 attends globally
     "tiny": dict(hidden=64, intermediate=64, layers=2, heads=8, kv_heads=2, head_dim=16, sliding_window=16,
@@ -188,7 +188,45 @@ def build_model(arch: str, size: str, *, attn_implementation: str, max_length: i
         cls = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(seed)
     model = cls._from_config(cfg, attn_implementation=attn_implementation)
+    if arch == "gpt_oss":
+        dense_single_expert(model)
     return model.to(device=device, dtype=dtype)
+
+
+def _single_expert_forward(self, hidden_states, router_indices=None, routing_weights=None):
+    """GPT-OSS's experts with one expert: every token through it, weighted by its routing weight."""
+    gate_up = hidden_states @ self.gate_up_proj[0] + self.gate_up_proj_bias[0]
+    out = self._apply_gate(gate_up) @ self.down_proj[0] + self.down_proj_bias[0]
+    return (out * routing_weights[:, :1]).to(hidden_states.dtype)
+
+
+def dense_single_expert(model) -> None:
+    """Run each one-expert GPT-OSS experts module of ``model`` as a dense MLP (in place).
+
+    transformers' expert loop gathers each expert's tokens and adds its output back by index, whose
+    backward (a sorted index accumulation) took about half of a GPT-OSS-shaped training step even
+    with one expert. With one expert routed to by every token the gather is the identity: the dense
+    forward computes the same values with the same parameters. Checked on a few tokens against the
+    model's own forward (raises ``RuntimeError`` if they differ, e.g. in another transformers version).
+    """
+    import types
+
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        if experts.num_experts != 1:
+            continue
+        if experts.gate_up_proj.is_meta:  # no values to check
+            experts.forward = types.MethodType(_single_expert_forward, experts)
+            continue
+        h = torch.randn(5, experts.hidden_size, generator=torch.Generator().manual_seed(0), device="cpu")
+        h = h.to(experts.gate_up_proj.device, experts.gate_up_proj.dtype)
+        weights = torch.ones(5, 1, dtype=h.dtype, device=h.device)
+        with torch.no_grad():
+            want = experts(h, torch.zeros(5, 1, dtype=torch.long, device=h.device), weights)
+            experts.forward = types.MethodType(_single_expert_forward, experts)
+            got = experts(h, None, weights)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise RuntimeError("the dense one-expert MLP differs from this transformers version's GPT-OSS experts")
 
 
 def load_pretrained(path: str, *, attn_implementation: str, dtype: torch.dtype, device, tokenizer: bool = True):

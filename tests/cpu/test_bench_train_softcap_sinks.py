@@ -67,6 +67,33 @@ def test_presets_have_the_published_attention_shapes():
     assert all(layer.self_attn.sinks.shape == (64,) for layer in o.model.layers)
 
 
+def test_gpt_oss_single_expert_runs_dense_with_the_model_s_values_and_gradients():
+    """The preset's one expert runs as a dense MLP (no token gather and scatter) with the values and
+    gradients of transformers' own expert loop."""
+    from training_examples.models import _single_expert_forward
+    dense = _tiny("gpt_oss", "eager_dense")
+    loop = _tiny("gpt_oss", "eager_dense")
+    for layer in loop.model.layers:
+        del layer.mlp.experts.forward  # back to the class's expert loop
+    for m in (dense, loop):
+        assert all((layer.mlp.experts.forward.__func__ is _single_expert_forward) == (m is dense)
+                   for layer in m.model.layers)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights of a few units, so that the clamped SwiGLU clamps somewhere
+        for a, b in zip(dense.model.layers, loop.model.layers):
+            for n, p in a.mlp.experts.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 3)
+                dict(b.mlp.experts.named_parameters())[n].copy_(p)
+    ids = torch.randint(0, 512, (2, 40), generator=g)
+    out = [m(input_ids=ids).logits for m in (dense, loop)]
+    assert out[0].abs().max() > 0
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+    for o in out:
+        o.square().mean().backward()
+    for (n, a), (_, b) in zip(dense.named_parameters(), loop.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_cli_defaults_per_arch():
     for arch, size in (("gemma2", "2b"), ("gpt_oss", "20b")):
         a = bench_train.parse_args(["--arch", arch])

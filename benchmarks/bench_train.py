@@ -117,6 +117,7 @@ FIELDS = ("model", "params", "seqlen", "batch", "method", "attn_implementation",
           "attn_share", "notes")
 MAX_SEQLEN = 1 << 20  # 1M tokens: a 0.5B model with gradient checkpointing runs out of memory there on 80 GB
 _FALLBACK_WARNING = "flashmask: using the reference path"
+PROFILE_TOP = 25  # --profile: the kernels (name, ms, count) taking the most time, kept in train.json
 
 
 def _preset_text(dims: dict) -> str:
@@ -657,10 +658,11 @@ def run_one(method: str, seqlen: int, batches: List[dict], args, device: torch.d
         batch = {k: v.to(device) for k, v in batches[-1].items()}
         trace = Path(args.out) / f"trace_{method}_{fmt_len(seqlen)}.json"
         step = functools.partial(masked_step, method, model, opt, batch, args, device, dtype, windows)
-        split = profile_step(step, device, trace)
+        split = profile_step(step, device, trace, top=PROFILE_TOP)
         batch = None
         prof = {"profiled_ms": split["wall_ms"], "kernel_ms": split["total_ms"],
-                "attn_kernel_ms": split["attention_ms"], "attn_share": split["attention_share"]}
+                "attn_kernel_ms": split["attention_ms"], "attn_share": split["attention_share"],
+                "profile_top": split["top"]}
         top = ", ".join(f"{shorten(n, 48)} {ms:.1f} ms x{c}" for n, ms, c in split["top"][:3])
         print(f"    profiled step      {split['wall_ms']:10.1f} ms  (GPU {split['total_ms']:.1f} ms, attention "
               f"{split['attention_ms']:.1f} ms)  top: {top}", flush=True)

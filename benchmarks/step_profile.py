@@ -23,9 +23,9 @@ ATTENTION_KERNEL = re.compile(r"flashmask|flex_attention|fmha|flash|sdpa|scaled_
                               re.IGNORECASE)
 
 
-def split_times(named_us: Iterable[Tuple[str, float]]) -> dict:
+def split_times(named_us: Iterable[Tuple[str, float]], top: int = 5) -> dict:
     """``{"total_ms", "attention_ms", "attention_share", "top"}`` from ``(name, microseconds)``
-    pairs; ``top``: the 5 names taking the most time, ``(name, ms, count)``."""
+    pairs; ``top``: the ``top`` names taking the most time, ``(name, ms, count)``."""
     total = attn = 0.0
     per_name: dict = {}
     for name, us in named_us:
@@ -34,7 +34,7 @@ def split_times(named_us: Iterable[Tuple[str, float]]) -> dict:
             attn += us
         ms, n = per_name.get(name, (0.0, 0))
         per_name[name] = (ms + us / 1e3, n + 1)
-    top = sorted(((n, ms, c) for n, (ms, c) in per_name.items()), key=lambda t: -t[1])[:5]
+    top = sorted(((n, ms, c) for n, (ms, c) in per_name.items()), key=lambda t: -t[1])[:top]
     return {"total_ms": total / 1e3, "attention_ms": attn / 1e3,
             "attention_share": attn / total if total > 0 else None, "top": top}
 
@@ -68,7 +68,8 @@ def _outer_cpu_ops(events) -> list:
     return out + [tuple(v) for v in tops.values()]
 
 
-def profile_step(step: Callable[[], object], device: torch.device, trace: Optional[Path] = None) -> dict:
+def profile_step(step: Callable[[], object], device: torch.device, trace: Optional[Path] = None,
+                 top: int = 5) -> dict:
     """Run ``step()`` once under the profiler; :func:`split_times` of its GPU kernels (CPU
     operators on a CPU), plus ``"wall_ms"``. ``trace``: a Chrome trace file to write."""
     from torch.profiler import ProfilerActivity, profile
@@ -82,7 +83,7 @@ def profile_step(step: Callable[[], object], device: torch.device, trace: Option
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
     events = prof.events()
-    out = split_times(_device_kernels(events) if on_gpu else _outer_cpu_ops(events))
+    out = split_times(_device_kernels(events) if on_gpu else _outer_cpu_ops(events), top)
     out["wall_ms"] = wall * 1e3
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)

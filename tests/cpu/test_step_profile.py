@@ -63,6 +63,10 @@ def test_bench_train_profile_adds_columns_a_table_and_traces(tmp_path, capsys):
     assert "free-attention bound" in out and "profiled step" in out
     with open(tmp_path / "train.csv") as f:
         assert all(float(r["kernel_ms"]) > 0 for r in csv.DictReader(f))
+    rows = json.loads((tmp_path / "train.json").read_text())["rows"]
+    top = rows[1]["profile_top"]  # sdpa_dense's operators taking the most time, longest first
+    assert 5 < len(top) <= bench_train.PROFILE_TOP and any("scaled_dot_product" in n for n, _, _ in top)
+    assert [ms for _, ms, _ in top] == sorted((ms for _, ms, _ in top), reverse=True)
 
 
 def test_without_profile_the_columns_stay_empty(tmp_path, capsys):

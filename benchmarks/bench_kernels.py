@@ -15,6 +15,10 @@ different methods on one row compare their times directly.
 gradients): backward rows only (its forward is the default one), next to ``flashmask`` so that the
 cost of deterministic mode can be read off the table (``det ms``, ``det cost``).
 
+``--methods ...,flashmask_plain`` adds flashmask called with no mask tensor (``startend_row_indices=None``,
+``causal=...``) on the plain causal and full families, as SDPA's flash and cuDNN backends get
+``is_causal``: the kernels built for no mask, which plain causal attention runs.
+
 ``--softcap X`` (logit soft-capping, Gemma 2) and ``--sinks`` (random float32 attention sinks
 ``[H]``, a leaf requiring grad whose gradient the backward modes compute, GPT-OSS) give every method
 the same option where it can express it: flashmask its ``softcap`` / ``sinks``; FlexAttention a
@@ -94,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="fwd,fwdbwd", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma list of {', '.join(ALL_METHODS)} ('all' = every one); flashmask_det = flashmask "
-                        "with deterministic=True, bwd and fwd+bwd rows only")
+                        "with deterministic=True, bwd and fwd+bwd rows only; flashmask_plain = flashmask with no "
+                        "mask tensor, causal and full families only")
     p.add_argument("--out", default=None,
                    help="folder for kernels.csv / kernels.json (and plots/); default runs/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")

@@ -22,8 +22,9 @@ METHODS = ("flashmask", "flex", "sdpa_dense", "sdpa_flash", "sdpa_cudnn")  # the
 # Opt-in methods (only when named in --methods): flashmask with deterministic=True, whose forward is
 # the default one, so it has backward rows only; flashmask forced onto its SM80 kernels (on a Hopper
 # GPU "flashmask" runs the SM90 ones where they exist); FlexAttention's FLASH backend
-# (FlashAttention-4 on CuTe-DSL, where the `flash-attn-4` package is installed).
-EXTRA_METHODS = ("flashmask_det", "flashmask_sm80", "flex_flash")
+# (FlashAttention-4 on CuTe-DSL, where the `flash-attn-4` package is installed); flashmask with no mask
+# tensor on the plain causal and full families (the kernels built for no mask, as SDPA's is_causal).
+EXTRA_METHODS = ("flashmask_det", "flashmask_sm80", "flex_flash", "flashmask_plain")
 ALL_METHODS = METHODS + EXTRA_METHODS
 METHOD_SKIP_MODES = {"flashmask_det": ("fwd",)}
 
@@ -120,12 +121,16 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
     """
     sq = sk = p.seqlen
     sinks, params = p.sinks, (() if p.sinks is None else (p.sinks,))
-    if method in ("flashmask", "flashmask_det", "flashmask_sm80"):
+    if method in ("flashmask", "flashmask_det", "flashmask_sm80", "flashmask_plain"):
         import flashmask
+        if method == "flashmask_plain" and not is_plain(p.startend, p.causal, sq):
+            raise Skip(f"{method} takes only causal or no mask", report=False)
         if opt.flashmask_backend == "cuda":
             if not flashmask.cuda.available():
                 raise RuntimeError(f"flashmask CUDA kernels unavailable: {flashmask.cuda.unavailable_reason()}")
         startend, causal, backend, softcap = p.startend, p.causal, opt.flashmask_backend, p.softcap
+        if method == "flashmask_plain":
+            startend = None
         if method == "flashmask_sm80" and backend == "cuda":
             backend = "sm80"
         deterministic = method == "flashmask_det"
@@ -135,8 +140,8 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
                                                  deterministic=deterministic, softcap=softcap, sinks=sinks)
 
         _, bn = fwd_tile(p.head_dim)
-        prep = Prepared(attn, mask_bytes=startend.numel() * startend.element_size() + bounds_bytes(startend, bn),
-                        params=params)
+        mask_bytes = 0 if startend is None else startend.numel() * startend.element_size() + bounds_bytes(startend, bn)
+        prep = Prepared(attn, mask_bytes=mask_bytes, params=params)
         note = _sm80_backward_elsewhere(p, deterministic) if backend == "sm80" and flashmask.cuda.available() else ""
         if note:
             prep.notes.append(note)

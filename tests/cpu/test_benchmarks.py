@@ -314,6 +314,39 @@ def test_bench_kernels_deterministic_flashmask_on_cpu(tmp_path, capsys, monkeypa
     assert methods.method_modes("flashmask_det", ["fwd"]) == [] and methods.method_modes("flex", ["fwd"]) == ["fwd"]
 
 
+def test_flashmask_plain_passes_no_mask_on_the_plain_families_only(tmp_path, capsys, monkeypatch):
+    """flashmask_plain: opt-in, flashmask_attention with no mask tensor, rows for causal and full only."""
+    assert "flashmask_plain" in methods.EXTRA_METHODS and "flashmask_plain" not in methods.METHODS
+    import flashmask
+    seen, real = [], flashmask.flashmask_attention
+
+    def spy(q, k, v, startend, **kw):
+        seen.append(startend is None)
+        return real(q, k, v, startend, **kw)
+
+    monkeypatch.setattr(flashmask, "flashmask_attention", spy)
+    rows = bench_kernels.run(bench_kernels.parse_args([
+        "--device", "cpu", "--flashmask-backend", "reference", "--families", "causal,full,causal_document",
+        "--seqlens", "64", "--heads", "2", "--head-dims", "16", "--modes", "fwd", "--methods",
+        "flashmask,flashmask_plain", "--warmup", "0", "--rep", "0", "--out", str(tmp_path)]))
+    plain = {r["family"]: r for r in rows if r["method"] == "flashmask_plain"}
+    assert sorted(plain) == ["causal", "full"] and all(r["status"] == "ok" for r in plain.values()), rows
+    fm = {r["family"]: r for r in rows if r["method"] == "flashmask"}
+    assert all(plain[f]["pairs"] == fm[f]["pairs"] for f in plain)
+    assert True in seen and False in seen
+    # the same output as with the family's mask tensor
+    for family, causal in (("causal", True), ("full", False)):
+        p = methods.Problem(example(family, 48)[0], causal, 1, 2, 16, 48, torch.float32, torch.device("cpu"))
+        q, k, v, _ = timing.make_inputs(1, 48, 2, 16, torch.float32, torch.device("cpu"))
+        opt = methods.Options(flashmask_backend="reference")
+        fm, plain = (methods.prepare_method(m, p, opt) for m in ("flashmask", "flashmask_plain"))
+        assert fm.mask_bytes > 0 and plain.mask_bytes == 0
+        torch.testing.assert_close(fm.attn(q, k, v), plain.attn(q, k, v))
+    p = methods.Problem(example("document", 48)[0], False, 1, 2, 16, 48, torch.float32, torch.device("cpu"))
+    with pytest.raises(methods.Skip):
+        methods.prepare_method("flashmask_plain", p, methods.Options(flashmask_backend="reference"))
+
+
 def test_flex_flash_asks_for_the_flash_backend(monkeypatch):
     """flex_flash is flex with kernel_options BACKEND=FLASH (plain flex passes none), on the same
     block mask."""

@@ -5,7 +5,9 @@ the SASS checks for what slows a kernel down without any error:
 - wgmma serialised (ptxas advisory C7518): costs a Hopper kernel more than most changes gain;
 - wgmma waited for one at a time (WAITED; no advisory): ptxas reloads a register operand between them;
 - runtime traps (BPT.TRAP) and functions left out of line (RET.REL): guards and calls ptxas adds
-  silently, each seen to make a kernel several times slower.
+  silently, each seen to make a kernel several times slower;
+- where the spills are: local-memory instructions before / after the first setmaxnreg.dec, i.e. in
+  the consumer warpgroups' reach or in the low-register producer warps' code.
 
     python -m tools.compile_check --arch sm90 --kernel fwd --head-dim 64 --dtype bf16
     python -m tools.compile_check --arch sm80 --kernel bwd_kv --head-dim 192 --head-dim-v 128
@@ -117,22 +119,49 @@ def waited_wgmma(sass: str) -> Dict[str, Tuple[int, int]]:
     return counts
 
 
+def local_memory_by_role(sass: str) -> Dict[str, Tuple[int, int]]:
+    """Per kernel (mangled name) in `cuobjdump -sass` output: its local-memory loads and stores
+    (spills) before and after its first `USETMAXREG.DEALLOC`. A warp-specialised kernel lays out its
+    setup and its consumer warpgroups' code (which raise their registers) first and the code of the
+    warps that give registers back (producer, dQ writers) after that instruction, so the pair tells
+    spills in the consumers' reach from spills of the low-register warps. A kernel without
+    `setmaxnreg` counts everything first."""
+    counts: Dict[str, Tuple[int, int]] = {}
+    current, after = None, False
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current, after = m.group(1), False
+            counts[current] = (0, 0)
+        elif current is None:
+            continue
+        elif "USETMAXREG.DEALLOC" in line:
+            after = True
+        elif re.search(r"\b(STL|LDL)\b", line):
+            first, second = counts[current]
+            counts[current] = (first, second + 1) if after else (first + 1, second)
+    return counts
+
+
 def wgmma_waited_singly(waited: int, total: int) -> bool:
     """Whether most of a kernel's wgmma are each waited for on their own (waited_wgmma)."""
     return total > 0 and 2 * waited > total
 
 
-def sass_checks(obj: str) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, Tuple[int, int]]]:
+def sass_checks(obj: str) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, Tuple[int, int]],
+                                   Dict[str, Tuple[int, int]]]:
     """Per kernel of an object file: its traps and its out-of-line functions' returns
-    (count_per_kernel) and its waited wgmma (waited_wgmma); ({}, {}, {}) where no cuobjdump is found."""
+    (count_per_kernel), its waited wgmma (waited_wgmma) and its local-memory instructions by warp role
+    (local_memory_by_role); ({}, {}, {}, {}) where no cuobjdump is found."""
     tool = shutil.which("cuobjdump")
     if tool is None:
-        return {}, {}, {}
+        return {}, {}, {}, {}
     run = subprocess.run([tool, "-sass", obj], capture_output=True, text=True)
     if run.returncode != 0:
-        return {}, {}, {}
+        return {}, {}, {}, {}
     sass = run.stdout
-    return count_per_kernel(sass, "BPT.TRAP"), count_per_kernel(sass, "RET.REL"), waited_wgmma(sass)
+    return (count_per_kernel(sass, "BPT.TRAP"), count_per_kernel(sass, "RET.REL"), waited_wgmma(sass),
+            local_memory_by_role(sass))
 
 
 def is_attention_kernel(mangled: str) -> bool:
@@ -147,7 +176,7 @@ def sass_report(path: str) -> int:
     if shutil.which("cuobjdump") is None:
         print("--sass needs cuobjdump (CUDA toolkit) on PATH", file=sys.stderr)
         return 2
-    traps, outlined, waits = sass_checks(path)
+    traps, outlined, waits, _ = sass_checks(path)
     if not traps:
         print(f"{path}: no kernels in cuobjdump -sass", file=sys.stderr)
         return 2
@@ -263,15 +292,17 @@ def main() -> int:
         print(f"compiling {os.path.basename(unit)} for {cmd[cmd.index('-gencode') + 1]} "
               f"{' '.join('-D' + d for d in args.defines)}", flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
-        traps, outlined, waits = sass_checks(out) if run.returncode == 0 else ({}, {}, {})
+        traps, outlined, waits, local = sass_checks(out) if run.returncode == 0 else ({}, {}, {}, {})
     if run.returncode != 0:
         print(run.stderr[:3000], file=sys.stderr)  # the first errors explain the rest
         return run.returncode
     kernels = parse_ptxas(run.stdout + run.stderr)
     names = _demangle(list(kernels))
     bad = False
-    # calls: returns of functions left out of line
-    print(f"{'registers':>9s} {'spill st/ld':>12s} {'wgmma':>10s} {'traps':>5s} {'calls':>5s}  kernel")
+    # calls: returns of functions left out of line; local a/b: local-memory instructions before / after
+    # the first setmaxnreg.dec (consumers and setup / the warps that give registers back)
+    print(f"{'registers':>9s} {'spill st/ld':>12s} {'local a/b':>9s} {'wgmma':>10s} {'traps':>5s} {'calls':>5s}"
+          "  kernel")
     for (mangled, k), name in zip(kernels.items(), names):
         spills = k["spill_stores"] + k["spill_loads"]
         n_traps, n_calls = traps.get(mangled), outlined.get(mangled)
@@ -280,7 +311,9 @@ def main() -> int:
         singly = wgmma_waited_singly(*waits.get(mangled, (0, 0)))
         bad |= k["wgmma_serialized"] or singly or (spills > 0 and args.fail_on_spills) or bool(n_traps) or calls_fail
         wgmma = "SERIALIZED" if k["wgmma_serialized"] else "WAITED" if singly else "ok"
-        print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} "
+        roles = local.get(mangled)
+        roles = "-" if roles is None else f"{roles[0]}/{roles[1]}"
+        print(f"{k['registers'] or '-':>9} {k['spill_stores']:>5d}/{k['spill_loads']:<6d} {roles:>9s} "
               f"{wgmma:>10s} {'-' if n_traps is None else n_traps:>5} "
               f"{'-' if n_calls is None else n_calls:>5}  {name[:160]}")
     if not traps:

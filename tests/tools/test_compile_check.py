@@ -73,6 +73,29 @@ def test_waited_wgmma():
     assert compile_check.waited_wgmma("") == {}
 
 
+# A warp-specialised kernel: setup, the consumers' setmaxnreg.inc and mainloop, then the producer's
+# setmaxnreg.dec and its code; and a kernel without setmaxnreg.
+ROLES_SASS = """\
+\t\tFunction : _ZN9flashmask4sm903fwdEv
+        /*0360*/                   STL [R1], R2 ;                              /* 0x0 */
+        /*0570*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;    /* 0x0 */
+        /*1690*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR24], RZ, !UPT, gsb0 ; /* 0x0 */
+        /*11d00*/                  USETMAXREG.DEALLOC.CTAPOOL 0x18 ;           /* 0x0 */
+        /*13460*/                  STL [R1+0x4], R3 ;                          /* 0x0 */
+        /*13470*/                  LDL.LU R3, [R1+0x4] ;                       /* 0x0 */
+        /*13480*/                  LDL R5, [R1+0x8] ;                          /* 0x0 */
+\t\tFunction : _ZN9flashmask4sm803fwdEv
+        /*0100*/                   LDL R5, [R1+0x8] ;                          /* 0x0 */
+        /*0200*/                   LDS R5, [R1+0x8] ;                          /* 0x0 */
+"""
+
+
+def test_local_memory_by_role():
+    got = compile_check.local_memory_by_role(ROLES_SASS)
+    assert got == {"_ZN9flashmask4sm903fwdEv": (1, 3), "_ZN9flashmask4sm803fwdEv": (1, 0)}
+    assert compile_check.local_memory_by_role("") == {}
+
+
 def test_count_per_kernel():
     assert compile_check.count_per_kernel(SASS, "BPT.TRAP") == {"_Z6kernelILb1EEvv": 2, "_Z6kernelILb0EEvv": 0}
     assert compile_check.count_per_kernel(SASS, "RET.REL") == {"_Z6kernelILb1EEvv": 0, "_Z6kernelILb0EEvv": 1}
@@ -151,7 +174,7 @@ def _fake_cuobjdump(monkeypatch, sass):
     monkeypatch.setattr(compile_check.shutil, "which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr(compile_check, "sass_checks", lambda path: (
         compile_check.count_per_kernel(sass, "BPT.TRAP"), compile_check.count_per_kernel(sass, "RET.REL"),
-        compile_check.waited_wgmma(sass)))
+        compile_check.waited_wgmma(sass), compile_check.local_memory_by_role(sass)))
     monkeypatch.setattr(compile_check, "_demangle", lambda names: names)
 
 

@@ -77,21 +77,25 @@ def parse_ptxas(log: str) -> Dict[str, dict]:
     return kernels
 
 
+def sass_functions(sass: str) -> Dict[str, List[str]]:
+    """`cuobjdump -sass` output split into its functions: mangled name -> its lines."""
+    functions: Dict[str, List[str]] = {}
+    current = None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+        elif current is not None:
+            current.append(line)
+    return functions
+
+
 def count_per_kernel(sass: str, instruction: str) -> Dict[str, int]:
     """Per kernel (mangled name) in `cuobjdump -sass` output: how many of its instructions are
     `instruction` (BPT.TRAP: runtime traps; RET.REL: returns, which only a function the compiler left
     out of line has; a CALL.REL to the next instruction, with no return, is ptxas's own reconvergence
     idiom around shuffles)."""
-    counts: Dict[str, int] = {}
-    current = None
-    for line in sass.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            current = m.group(1)
-            counts.setdefault(current, 0)
-        elif current is not None and instruction in line:
-            counts[current] += 1
-    return counts
+    return {name: sum(instruction in line for line in lines) for name, lines in sass_functions(sass).items()}
 
 
 def waited_wgmma(sass: str) -> Dict[str, Tuple[int, int]]:
@@ -100,22 +104,16 @@ def waited_wgmma(sass: str) -> Dict[str, Tuple[int, int]]:
     batch of wgmma ends with one wait; where ptxas has to reload a register operand between them it
     waits after each one instead, with no advisory."""
     counts: Dict[str, Tuple[int, int]] = {}
-    current, pending = None, False
-    for line in sass.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            current, pending = m.group(1), False
-            counts[current] = (0, 0)
-        elif current is None:
-            continue
-        elif "HGMMA" in line:
-            waited, total = counts[current]
-            counts[current], pending = (waited, total + 1), True
-        elif "WARPGROUP.DEPBAR.LE" in line:
-            if pending and re.search(r"gsb0, 0x0\b", line):
-                waited, total = counts[current]
-                counts[current] = (waited + 1, total)
-            pending = False
+    for name, lines in sass_functions(sass).items():
+        waited = total = 0
+        pending = False
+        for line in lines:
+            if "HGMMA" in line:
+                total, pending = total + 1, True
+            elif "WARPGROUP.DEPBAR.LE" in line:
+                waited += pending and bool(re.search(r"gsb0, 0x0\b", line))
+                pending = False
+        counts[name] = (waited, total)
     return counts
 
 
@@ -127,19 +125,15 @@ def local_memory_by_role(sass: str) -> Dict[str, Tuple[int, int]]:
     spills in the consumers' reach from spills of the low-register warps. A kernel without
     `setmaxnreg` counts everything first."""
     counts: Dict[str, Tuple[int, int]] = {}
-    current, after = None, False
-    for line in sass.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            current, after = m.group(1), False
-            counts[current] = (0, 0)
-        elif current is None:
-            continue
-        elif "USETMAXREG.DEALLOC" in line:
-            after = True
-        elif re.search(r"\b(STL|LDL)\b", line):
-            first, second = counts[current]
-            counts[current] = (first, second + 1) if after else (first + 1, second)
+    for name, lines in sass_functions(sass).items():
+        before = after = 0
+        dealloc = False
+        for line in lines:
+            if "USETMAXREG.DEALLOC" in line:
+                dealloc = True
+            elif re.search(r"\b(STL|LDL)\b", line):
+                before, after = (before, after + 1) if dealloc else (before + 1, after)
+        counts[name] = (before, after)
     return counts
 
 

@@ -106,7 +106,6 @@ struct BwdMainloop {
         // but keeping both live across the loop spills at 240 registers.)
         Tensor acc_s = partition_fragment_C(mma_sdp, typename Traits::TileST{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, typename Traits::TileST{});
-        const float inv_scale_log2 = 1.f / p.scale_log2;
         shared.barrier_kv.wait(kv_phase);
         kv_phase ^= 1;
         for (int tile = 0, more = true; more; ++tile) {
@@ -130,17 +129,31 @@ struct BwdMainloop {
                 mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, p.sk - p.sq,
                                                                   shared.mask_cols);
             }
+            Tensor rP = make_tensor<Element>(acc_s.layout());
+            Tensor rp = rowcol(rP);
             CUTE_UNROLL
             for (int ni = 0; ni < size<1>(st); ++ni) {
                 const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
                 CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+                for (int mi = 0; mi < size<0>(st); ++mi) {
+                    const float pr = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+                    if constexpr (kSoftcap) {
+                        // P for dV, and P times the cap's slope 1 - t^2 for dS while t is at hand (a
+                        // masked t is -inf: clamped to the slope's zero).
+                        rp(mi, ni) = static_cast<Element>(pr);
+                        const float t = fmaxf(st(mi, ni), -1.f);
+                        st(mi, ni) = pr * (1.f - t * t);
+                    } else {
+                        st(mi, ni) = pr;
+                    }
+                }
             }
-            Tensor rP = make_tensor<Element>(acc_s.layout());
             auto issue_dv = [&]() {
-                Tensor converted = convert_to<Element>(acc_s);
-                CUTE_UNROLL
-                for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+                if constexpr (!kSoftcap) {
+                    Tensor converted = convert_to<Element>(acc_s);
+                    CUTE_UNROLL
+                    for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+                }
                 if constexpr (Traits::kSplitHeadDim) {
                     // P^T into shared memory once both warpgroups are done reading the last block's
                     // P^T and dS (each waited for its GEMMs), then read whole by both.
@@ -158,20 +171,13 @@ struct BwdMainloop {
             if constexpr (Traits::kEarlyDv) issue_dv();
             warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
 
-            // dS^T = P^T (dP^T - D), times the soft-cap's slope; dK += dS^T Q.
+            // dS^T = P^T (dP^T - D) (with the cap, st holds P^T times its slope); dK += dS^T Q.
             Tensor dpt = rowcol(acc_dp);
             CUTE_UNROLL
             for (int ni = 0; ni < size<1>(dpt); ++ni) {
                 const float d = d_rows[get<1>(cST_rc(0, ni))];
                 CUTE_UNROLL
                 for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
-                if constexpr (kSoftcap) {
-                    const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
-                    CUTE_UNROLL
-                    for (int mi = 0; mi < size<0>(dpt); ++mi) {
-                        dpt(mi, ni) *= softcap_slope(st(mi, ni), lse_log2, inv_scale_log2);
-                    }
-                }
             }
             if constexpr (!Traits::kEarlyDv) issue_dv();
             Tensor rdS = convert_to<Element>(acc_dp);

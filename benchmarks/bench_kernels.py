@@ -149,12 +149,14 @@ def _tf(x: float) -> str:
 
 def summary_table(rows) -> str:
     """One line per (family, seqlen, head dim, mode): flashmask vs flex vs SDPA (and, when measured,
-    deterministic flashmask: its ms and its time relative to the default flashmask)."""
+    deterministic flashmask: its ms and its time relative to the default flashmask; flashmask with
+    no mask tensor: its TFLOP/s and its speed relative to cuDNN's, which also runs without one)."""
     groups = OrderedDict()
     for r in rows:
         d = r["head_dim"] if r.get("head_dim_v") in (None, r["head_dim"]) else f"{r['head_dim']}/{r['head_dim_v']}"
         groups.setdefault((r["family"], r["seqlen"], d, r["mode"]), {})[r["method"]] = r
     with_det = any(r["method"] == "flashmask_det" for r in rows)
+    with_plain = any(r["method"] == "flashmask_plain" for r in rows)
     table = []
     for (fam, s, d, mode), by in groups.items():
         fm, fx, dn = by.get("flashmask"), by.get("flex"), by.get("sdpa_dense")
@@ -167,11 +169,16 @@ def summary_table(rows) -> str:
         if with_det:
             det = by.get("flashmask_det")
             line += [_cell(det), _ratio(det, fm)]
+        if with_plain:
+            plain = by.get("flashmask_plain")
+            line += [_cell(plain, "tflops", _tf), _ratio(cu, plain)]
         table.append(line)
     headers = ["family", "S", "D", "mode", "density", "fm ms", "fm TF/s", "flex ms", "flex TF/s", "dense TF/s",
                "fa2/cudnn TF/s", "vs flex"]
     if with_det:
         headers += ["det ms", "det cost"]
+    if with_plain:
+        headers += ["plain TF/s", "plain vs cudnn"]
     return format_table(headers, table, align="lrrl" + "r" * (len(headers) - 4))
 
 

@@ -334,6 +334,13 @@ def test_flashmask_plain_passes_no_mask_on_the_plain_families_only(tmp_path, cap
     fm = {r["family"]: r for r in rows if r["method"] == "flashmask"}
     assert all(plain[f]["pairs"] == fm[f]["pairs"] for f in plain)
     assert True in seen and False in seen
+    # the summary gives its TFLOP/s (and its speed against cuDNN's, '-' where cuDNN did not run)
+    out = capsys.readouterr().out
+    assert "plain TF/s" in out and "plain vs cudnn" in out
+    cudnn = dict(plain["causal"], method="sdpa_cudnn", ms=2 * plain["causal"]["ms"])
+    table = bench_kernels.summary_table(rows + [cudnn])
+    causal_line = next(line for line in table.splitlines() if line.startswith("causal "))
+    assert causal_line.rstrip().endswith("2.00x"), table
     # the same output as with the family's mask tensor
     for family, causal in (("causal", True), ("full", False)):
         p = methods.Problem(example(family, 48)[0], causal, 1, 2, 16, 48, torch.float32, torch.device("cpu"))

@@ -69,6 +69,30 @@ struct FwdProducer {
             return decode(p, scheduler, first ? scheduler.first() : scheduler.draw(p), n_top);
     }
 
+    // The visible block after block n (or -1), told to n's ticket; leaves that block's bounds in
+    // `bnd` and its sight in `sight`, which its own ticket is made from.
+    template <typename Walk>
+    __forceinline__ __device__ static int next_block(const Walk& walk, int n, BlockBounds& bnd, int& sight,
+                                                     Ticket& ticket) {
+        bnd = walk.bounds_of(n - 1);
+        const int next = walk.visible_at_or_below(n - 1, bnd);
+        sight = next >= 0 ? Ticket::template sight<Traits::kGroupSight>(walk, next, bnd) : 0;
+        ticket.set_next(sight, next < 0);
+        return next;
+    }
+
+    // Block n's ring slot: its mask columns where the intervals cut it partly, and its ticket.
+    __forceinline__ __device__ static void fill_slot(const AttnParams& p, const Job& tile, SharedStorage& shared,
+                                                     int slot, const Ticket& ticket, int n, int lane) {
+        if (Has_mask && ticket.any_intervals()) {
+            stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols, n * kBlockN, p.sk, lane);
+            cp_async_fence();
+            cp_async_wait<0>();
+        }
+        if (lane == 0) shared.tickets[slot] = ticket.bits;
+        __syncwarp();  // every lane's mask columns before lane 0's arrival on the K stage
+    }
+
     // The load warp, job after job. Each job's first block is found when the job is drawn, before
     // it is published, and carried into its turn here. A job's loads stay in this loop: moved into
     // a [&] lambda, they made ptxas guard the head dim 128 consumers' code with runtime traps.
@@ -111,27 +135,32 @@ struct FwdProducer {
                     copy(args.tma_q.with(*pipeline_q.producer_get_barrier(state_q), 0), tQg, tQs(_, state_q.index()));
                 }
                 ++state_q;
+                // A block's ring slot is filled before the arrival on its K stage publishes it: the
+                // first block's here, each next one's while the block before it waits for its V stage.
                 int sight = Ticket::template sight<Traits::kGroupSight>(walk, n_block, bnd);
-                Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
+                int n_next;
+                {
+                    Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
+                    n_next = next_block(walk, n_block, bnd, sight, ticket);
+                    fill_slot(p, tile, shared, queued % Traits::kSlots, ticket, n_block, lane);
+                }
                 while (n_block >= 0) {
-                    bnd = walk.bounds_of(n_block - 1);
-                    const int n_next = walk.visible_at_or_below(n_block - 1, bnd);
-                    sight = n_next >= 0 ? Ticket::template sight<Traits::kGroupSight>(walk, n_next, bnd) : 0;
-                    ticket.set_next(sight, n_next < 0);
-                    // The block's ring slot, filled before the arrival on its K stage publishes it.
-                    const int slot = queued % Traits::kSlots;
-                    if (Has_mask && ticket.any_intervals()) {
-                        stage_mask_columns<kBlockN, kMaskC, 32>(shared.mask_cols[slot], tile.mask.cols,
-                                                                n_block * kBlockN, p.sk, lane);
-                        cp_async_fence();
-                        cp_async_wait<0>();
-                    }
-                    if (lane == 0) shared.tickets[slot] = ticket.bits;
-                    __syncwarp();  // every lane's mask columns before lane 0's copy
                     if (lane == 0) {
                         pipeline_k.producer_acquire(state);
                         copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block),
                              tKs(_, state.index()));
+                    }
+                    // The walk's loads and compares for the next block wait with this block's V stage,
+                    // not between this V and the next K. The next block's slot is free: its last block
+                    // was read before the K stage just acquired was released (FwdTraits::kSlots).
+                    int n_after = -1;
+                    if (n_next >= 0) {
+                        BlockBounds b = walk.bounds_of(n_next);  // read by the walk just before: from L1
+                        Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_next, b, sight);
+                        n_after = next_block(walk, n_next, b, sight, ticket);
+                        fill_slot(p, tile, shared, (queued + 1) % Traits::kSlots, ticket, n_next, lane);
+                    }
+                    if (lane == 0) {
                         pipeline_v.producer_acquire(state);
                         copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVg(_, n_block),
                              tVs(_, state.index()));
@@ -139,7 +168,7 @@ struct FwdProducer {
                     ++state;
                     ++queued;
                     n_block = n_next;
-                    if (n_block >= 0) ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
+                    n_next = n_after;
                 }
             }
             job = next_job(p, scheduler, shared, /*first=*/false, n_block);

@@ -28,6 +28,11 @@ scale, as flashmask caps the scaled score) and, for sinks, its output times ``si
 hold), compiled with it. SDPA can express neither: ``n/a`` rows with that reason. The FLOPs stay
 those of the two GEMMs.
 
+``--gpu-clocks`` samples the GPU's SM clock and board power while each cell is timed (columns
+``sm_mhz`` and ``power_w``, :mod:`benchmarks.gpu_clocks`): at the power cap two kernels may run at
+different clocks. Time such runs for seconds a cell (``--rep 4000``): short cells start below the
+cap.
+
 Example::
 
     python -m benchmarks.bench_kernels                      # 12 families x 8K, 32K x fwd, fwd+bwd
@@ -38,6 +43,8 @@ Example::
     python -m benchmarks.bench_kernels --head-dims 192 --head-dim-v 128      # DeepSeek-V3's MLA head dims
     python -m benchmarks.bench_kernels --head-dims 256 --softcap 50 --methods flashmask,flex   # Gemma 2
     python -m benchmarks.bench_kernels --head-dims 64 --sinks --methods flashmask,flex         # GPT-OSS
+    python -m benchmarks.bench_kernels --head-dims 256 --families causal,full --modes fwd \
+        --methods flashmask_plain,sdpa_cudnn --rep 4000 --gpu-clocks     # at the power cap, clocks sampled
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ from benchmarks.cuda_memory import cleanup
 from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
 from benchmarks.flex import configure_dynamo
 from benchmarks.flops import total_pairs
+from benchmarks.gpu_clocks import check_available as check_clocks
 from benchmarks.methods import ALL_METHODS, METHODS, Options, Problem, method_modes, release, try_prepare
 from benchmarks.output import default_out_dir, environment, pyplot, write_results
 from benchmarks.report import fmt_len, format_table, table_cell
@@ -63,7 +71,10 @@ from benchmarks.timing import MODES, make_inputs, make_sinks, try_time
 DEFAULT_METHODS = ",".join(METHODS)
 MODE_LABEL = {"fwd": "fwd", "bwd": "bwd", "fwdbwd": "fwd+bwd"}
 FIELDS = ("family", "seqlen", "head_dim", "head_dim_v", "heads", "kv_heads", "batch", "softcap", "sinks", "mode",
-          "method", "status", "density", "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "notes")
+          "method", "status", "density", "pairs", "ms", "tflops", "mask_build_ms", "first_call_s", "host_ms", "sm_mhz",
+          "power_w", "notes")
+# The summary's clock columns (--gpu-clocks), in this order, under these names.
+CLOCK_COLUMNS = {"flashmask": "fm", "flashmask_plain": "plain", "flex": "flex", "sdpa_cudnn": "cudnn"}
 FLOP_CONVENTION = ("fwd=2*B*H*(Dqk+Dv)*pairs (4*B*H*D*pairs with equal head dims), bwd=2.5x, fwd+bwd=3.5x; "
                    "softcap and sinks add none")
 
@@ -104,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for kernels.csv / kernels.json (and plots/); default runs/kernels")
     p.add_argument("--plot", action="store_true", help="one PNG per family under OUT/plots (TFLOP/s per method)")
     add_timing_args(p)
+    p.add_argument("--gpu-clocks", action="store_true",
+                   help="sample the GPU's SM clock and power (nvidia-smi) while each cell is timed: columns sm_mhz "
+                        "and power_w. At the power cap the clock depends on the kernel; time cells long enough to "
+                        "reach it (e.g. --rep 4000)")
     p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
                    help="create_block_mask eagerly (dense SxS temporaries) or through torch.compile; "
                         "auto: eager when 8*S^2 bytes fit in half the free memory")
@@ -135,6 +150,10 @@ def parse_args(argv=None):
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
     resolve_timing(args)
+    if args.gpu_clocks:
+        why = "--device is not a CUDA device" if not args.device.startswith("cuda") else check_clocks()
+        if why:
+            parser.error(f"--gpu-clocks cannot sample here: {why}")
     if args.out is None:
         args.out = default_out_dir("kernels")
     return args
@@ -157,6 +176,8 @@ def summary_table(rows) -> str:
         groups.setdefault((r["family"], r["seqlen"], d, r["mode"]), {})[r["method"]] = r
     with_det = any(r["method"] == "flashmask_det" for r in rows)
     with_plain = any(r["method"] == "flashmask_plain" for r in rows)
+    with_clocks = any(r.get("sm_mhz") is not None for r in rows)
+    clock_methods = [m for m in CLOCK_COLUMNS if any(r["method"] == m for r in rows)]
     table = []
     for (fam, s, d, mode), by in groups.items():
         fm, fx, dn = by.get("flashmask"), by.get("flex"), by.get("sdpa_dense")
@@ -172,6 +193,8 @@ def summary_table(rows) -> str:
         if with_plain:
             plain = by.get("flashmask_plain")
             line += [_cell(plain, "tflops", _tf), _ratio(cu, plain)]
+        if with_clocks:
+            line += [_mhz(by.get(m)) for m in clock_methods]
         table.append(line)
     headers = ["family", "S", "D", "mode", "density", "fm ms", "fm TF/s", "flex ms", "flex TF/s", "dense TF/s",
                "fa2/cudnn TF/s", "vs flex"]
@@ -179,7 +202,13 @@ def summary_table(rows) -> str:
         headers += ["det ms", "det cost"]
     if with_plain:
         headers += ["plain TF/s", "plain vs cudnn"]
+    if with_clocks:
+        headers += [f"{CLOCK_COLUMNS[m]} MHz" for m in clock_methods]
     return format_table(headers, table, align="lrrl" + "r" * (len(headers) - 4))
+
+
+def _mhz(r) -> str:
+    return "-" if r is None or r.get("sm_mhz") is None else f"{r['sm_mhz']:.0f}"
 
 
 def _ratio(num, den) -> str:
@@ -237,12 +266,13 @@ def plot_families(rows, out_dir: str):
 
 
 def _row(fam, s, d, args, mode, method, density, pairs, status, ms=None, tflops=None, build_ms=None, first=None,
-         host=None, notes=""):
+         host=None, sm_mhz=None, power_w=None, notes=""):
     dv = d if args.head_dim_v is None else args.head_dim_v
     return {"family": fam, "seqlen": s, "head_dim": d, "head_dim_v": dv, "heads": args.heads, "kv_heads": args.kv_heads,
             "batch": args.batch, "softcap": args.softcap, "sinks": args.sinks, "mode": mode,
             "method": method, "status": status, "density": density, "pairs": pairs, "ms": ms, "tflops": tflops,
-            "mask_build_ms": build_ms, "first_call_s": first, "host_ms": host, "notes": notes}
+            "mask_build_ms": build_ms, "first_call_s": first, "host_ms": host, "sm_mhz": sm_mhz, "power_w": power_w,
+            "notes": notes}
 
 
 def options_label(args, prefix: str = "") -> str:
@@ -257,6 +287,8 @@ def _progress(i, total, r):
             f"{r['method']:13s}")
     if r["status"] == "ok":
         res = f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  first call {r['first_call_s']:.2f} s"
+        if r.get("sm_mhz") is not None:
+            res += f"  {r['sm_mhz']:.0f} MHz {r['power_w']:.0f} W"
     else:
         res = f"{r['status']}"
     notes = f"  [{r['notes']}]" if r.get("notes") else ""
@@ -339,10 +371,11 @@ def run(args) -> list:
             for mode in modes:
                 if fatal:
                     break
-                res = try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device, args.head_dim_v)
+                res = try_time(prep, mode, tensors, pairs, d, args.warmup, args.rep, device, args.head_dim_v,
+                               clocks=args.gpu_clocks)
                 add(_row(fam, s, d, args, mode, method, density, pairs, res["status"], ms=res.get("ms"),
                          tflops=res.get("tflops"), build_ms=prep.build_ms, first=res.get("first_call_s"),
-                         host=res.get("host_ms"),
+                         host=res.get("host_ms"), sm_mhz=res.get("sm_mhz"), power_w=res.get("power_w"),
                          notes=res["notes"]))
                 fatal = res["notes"] if res["fatal"] else None
                 if res["status"] != "ok":

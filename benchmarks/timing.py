@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
 from benchmarks.flops import attn_flops
+from benchmarks.gpu_clocks import ClockSampler
 
 if TYPE_CHECKING:
     from benchmarks.methods import Prepared
@@ -144,9 +145,11 @@ def host_bound_note(ms: float, host_ms: Optional[float]) -> str:
 
 
 def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float,
-             device: torch.device) -> Tuple[float, float, Optional[float]]:
-    """``(median ms, first-call seconds, host ms per call)``; the first call (compilation, plans) is
-    not in the median; the host time only for CUDA calls shorter than HOST_CHECK_BELOW_MS (else None)."""
+             device: torch.device, clocks: bool = False) -> Tuple[float, float, Optional[float], Optional[tuple]]:
+    """``(median ms, first-call seconds, host ms per call, (MHz, W) or None)``; the first call
+    (compilation, plans) is not in the median; the host time only for CUDA calls shorter than
+    HOST_CHECK_BELOW_MS (else None); ``clocks``: the GPU's clock and power sampled while timed
+    (:mod:`benchmarks.gpu_clocks`)."""
     q, k, v, dout = tensors
     sync(device)
     t0 = time.perf_counter()
@@ -155,26 +158,34 @@ def run_mode(prep: Prepared, mode: str, tensors, warmup_ms: float, rep_ms: float
     del r
     sync(device)
     first = time.perf_counter() - t0
-    ms = time_ms(step, warmup_ms, rep_ms, device)
+    sampled = None
+    if clocks:
+        with ClockSampler(device) as sampler:
+            ms = time_ms(step, warmup_ms, rep_ms, device)
+        sampled = sampler.result
+    else:
+        ms = time_ms(step, warmup_ms, rep_ms, device)
     host = host_ms_per_call(step, device) if device.type == "cuda" and ms < HOST_CHECK_BELOW_MS else None
     del step
-    return ms, first, host
+    return ms, first, host, sampled
 
 
 def try_time(prep: Prepared, mode: str, tensors, pairs: int, head_dim: int, warmup_ms: float, rep_ms: float,
-             device: torch.device, head_dim_v: Optional[int] = None) -> dict:
+             device: torch.device, head_dim_v: Optional[int] = None, clocks: bool = False) -> dict:
     """Time one mode; never raises. Returns ``{"status", "ms", "tflops", "first_call_s", "host_ms",
-    "notes", "fatal"}``; a cell that may be bound by its launch path says so in its notes. TFLOP/s
-    by :func:`benchmarks.flops.attn_flops` (``head_dim_v``: v's head dim, default ``head_dim``)."""
+    "sm_mhz", "power_w", "notes", "fatal"}``; a cell that may be bound by its launch path says so in
+    its notes. TFLOP/s by :func:`benchmarks.flops.attn_flops` (``head_dim_v``: v's head dim, default
+    ``head_dim``). ``clocks``: sample the GPU's SM clock and power while timing (else both None)."""
     notes = [n for n in prep.notes if n]
     try:
-        ms, first, host = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device)
+        ms, first, host, sampled = run_mode(prep, mode, tensors, warmup_ms, rep_ms, device, clocks)
         tflops = attn_flops(pairs, head_dim, mode, head_dim_v) / (ms * 1e-3) / 1e12
         host_note = host_bound_note(ms, host)
         if host_note:
             notes.append(host_note)
+        mhz, watts = sampled if sampled is not None else (None, None)
         return {"status": "ok", "ms": ms, "tflops": tflops, "first_call_s": first, "host_ms": host,
-                "notes": "; ".join(notes), "fatal": False}
+                "sm_mhz": mhz, "power_w": watts, "notes": "; ".join(notes), "fatal": False}
     except Exception as e:
         return {"status": status_of(e), "notes": "; ".join([*notes, format_error(e)]),
                 "fatal": is_fatal_cuda_error(e)}

@@ -96,27 +96,15 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             startend_row_indices = merge_window(startend_row_indices, causal, tuple(window_size), q.shape[1])
     scale = _checks.softmax_scale_value(softmax_scale, q.shape[-1])
 
-    use_cuda = backend in _cuda.ARCHS
-    if backend != "reference":
-        reason = _checks.kernel_unsupported_reason(q, k, v)
-        if reason is None and not _cuda.available():
-            reason = _cuda.unavailable_reason()
-        if reason is None:
-            reason = _cuda.build_unsupported_reason(q, v.shape[-1])
-        if reason is not None:
-            if backend in _cuda.ARCHS:
-                raise RuntimeError(f"backend={backend!r} cannot run: {reason}")
-            if q.is_cuda:
-                _warn_fallback(reason)
-        use_cuda = reason is None
+    arch = kernel_arch(q, k, v, backend)
     if q.shape[1] == 0 or k.shape[1] == 0:
         # Nothing to compute (Sq = 0, or no key: every row is empty); the reference path returns
         # that result connected to autograd, with zero gradients.
-        use_cuda = False
+        arch = None
 
-    if use_cuda:
-        out, lse = _cuda.attention(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0,
-                                   _cuda.ARCHS.get(backend, 0), softcap, sinks)
+    if arch is not None:
+        out, lse = _cuda.attention(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0, arch,
+                                   softcap, sinks)
     else:
         extra = {} if not softcap and sinks is None else {"softcap": softcap, "sinks": sinks}
         out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale, **extra)
@@ -126,9 +114,26 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _warned = set()
 
 
-def _warn_fallback(reason: str) -> None:
-    # The reference path is O(Sq * Sk) per chunk: say once why a CUDA call did not get the kernels.
-    if reason not in _warned:
+def kernel_arch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, stacklevel: int = 3) -> Optional[int]:
+    """The kernel family ``backend`` runs these inputs on (the ops' ``arch``, 0 = the default one), or
+    None for the reference path. A kernel backend that cannot run them raises; ``"auto"`` on CUDA
+    tensors warns once per reason (the reference path is O(Sq * Sk) per chunk), ``stacklevel`` frames
+    up."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return None
+    reason = _checks.kernel_unsupported_reason(q, k, v)
+    if reason is None and not _cuda.available():
+        reason = _cuda.unavailable_reason()
+    if reason is None:
+        reason = _cuda.build_unsupported_reason(q, v.shape[-1])
+    if reason is None:
+        return _cuda.ARCHS.get(backend, 0)
+    if backend in _cuda.ARCHS:
+        raise RuntimeError(f"backend={backend!r} cannot run: {reason}")
+    if q.is_cuda and reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"flashmask: using the reference path (slow, O(Sq*Sk) memory) because {reason}",
-                      stacklevel=3)
+                      stacklevel=stacklevel)
+    return None

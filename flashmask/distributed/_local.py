@@ -8,43 +8,19 @@ The backend is chosen as :func:`flashmask.flashmask_attention` chooses it.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Tuple
 
 import torch
 
-from flashmask import _checks, _cuda
+from flashmask import _cuda
 from flashmask import attention as _attention
 from flashmask.reference import reference_attention
-
-# The backends of flashmask_attention ("auto", "cuda", "reference", and the kernel families where
-# the build has them); the kernel ones map to the ``arch`` argument of the ops (0 = the default).
-BACKENDS = tuple(getattr(_attention, "BACKENDS", ("auto", "cuda", "reference")))
-_ARCHS = dict(getattr(_cuda, "ARCHS", {"cuda": 0}))
-_warned: set = set()
 
 
 def use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> Optional[int]:
     """The kernel family to run these inputs on (0 = the default one), or None for the reference
-    path: the same rule as ``flashmask_attention``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return None
-    reason = _checks.kernel_unsupported_reason(q, k, v)
-    if reason is None and not _cuda.available():
-        reason = _cuda.unavailable_reason()
-    if reason is None:
-        reason = _cuda.build_unsupported_reason(q, v.shape[-1])
-    if reason is not None:
-        if backend in _ARCHS:
-            raise RuntimeError(f"backend={backend!r} cannot run: {reason}")
-        if q.is_cuda and reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"flashmask.distributed: using the reference path (slow, O(Sq*Sk) memory) because {reason}",
-                          stacklevel=4)
-        return None
-    return _ARCHS.get(backend, 0)
+    path: the rule of ``flashmask_attention``."""
+    return _attention.kernel_arch(q, k, v, backend, stacklevel=4)  # the caller of allgather_kv_attention
 
 
 def fwd(q, k, v, mask: Optional[torch.Tensor], scale: float, arch: Optional[int], softcap: float = 0.0,

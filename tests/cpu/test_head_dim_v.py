@@ -377,3 +377,25 @@ def test_self_attention_head_dim_v_defaults_to_head_dim():
 def test_self_attention_rejects_a_bad_head_dim_v(bad):
     with pytest.raises(ValueError, match=rf"head_dim_v must be a positive int, got {re.escape(repr(bad))}"):
         FlashMaskSelfAttention(hidden_size=16, num_heads=2, head_dim_v=bad)
+
+
+@FAKE_ADDRESS
+def test_context_parallel_step_chooses_as_flashmask_attention(build_without_the_pair):
+    # flashmask.distributed's per-rank steps take the rule (and the one warning) of flashmask_attention.
+    from flashmask.distributed import _local
+    with FakeTensorMode():
+        q, v, v64 = _fake_cuda(1, 8, 2, 192), _fake_cuda(1, 8, 2, 128), _fake_cuda(1, 8, 2, 64)
+        with pytest.raises(RuntimeError, match=r"backend='sm90' cannot run: .*q and k head dim 192"):
+            _local.use_kernels(q, q, v, "sm90")
+        with pytest.raises(ValueError, match=r"backend must be one of .*got 'gpu'"):
+            _local.use_kernels(q, q, v, "gpu")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _local.use_kernels(q, q, v, "auto") is None
+            assert _local.use_kernels(q, q, v, "auto") is None
+            assert _local.use_kernels(q, q, v, "reference") is None
+        q64 = _fake_cuda(1, 8, 2, 64)
+        assert _local.use_kernels(q64, q64, v64, "auto") == 0
+        assert _local.use_kernels(q64, q64, v64, "sm90") == 90
+    msgs = [str(w.message) for w in caught if "FakeTensor" not in str(w.message)]
+    assert len(msgs) == 1 and "using the reference path" in msgs[0] and "v head dim 128" in msgs[0], msgs

@@ -93,18 +93,6 @@ struct FwdProducer {
         __syncwarp();  // every lane's mask columns before lane 0's arrival on the K stage
     }
 
-    // Queues block n: its ticket, told which block follows, into ring slot `slot`. Returns that next
-    // visible block (or -1) and leaves its bounds in `bnd` and its sight in `sight`.
-    template <typename Walk>
-    __forceinline__ __device__ static int queue_block(const AttnParams& p, const Job& tile, SharedStorage& shared,
-                                                      const Walk& walk, int n, BlockBounds& bnd, int& sight, int slot,
-                                                      int lane) {
-        Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n, bnd, sight);
-        const int next = next_block(walk, n, bnd, sight, ticket);
-        fill_slot(p, tile, shared, slot, ticket, n, lane);
-        return next;
-    }
-
     // The load warp, job after job. Each job's first block is found when the job is drawn, before
     // it is published, and carried into its turn here. A job's loads stay in this loop: moved into
     // a [&] lambda, they made ptxas guard the head dim 128 consumers' code with runtime traps.
@@ -150,7 +138,12 @@ struct FwdProducer {
                 // A block's ring slot is filled before the arrival on its K stage publishes it: the
                 // first block's here, each next one's while the block before it waits for its V stage.
                 int sight = Ticket::template sight<Traits::kGroupSight>(walk, n_block, bnd);
-                int n_next = queue_block(p, tile, shared, walk, n_block, bnd, sight, queued % Traits::kSlots, lane);
+                int n_next;
+                {
+                    Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_block, bnd, sight);
+                    n_next = next_block(walk, n_block, bnd, sight, ticket);
+                    fill_slot(p, tile, shared, queued % Traits::kSlots, ticket, n_block, lane);
+                }
                 while (n_block >= 0) {
                     if (lane == 0) {
                         pipeline_k.producer_acquire(state);
@@ -163,8 +156,9 @@ struct FwdProducer {
                     int n_after = -1;
                     if (n_next >= 0) {
                         BlockBounds b = walk.bounds_of(n_next);  // read by the walk just before: from L1
-                        n_after =
-                            queue_block(p, tile, shared, walk, n_next, b, sight, (queued + 1) % Traits::kSlots, lane);
+                        Ticket ticket = Ticket::template make<Traits::kGroupSight>(walk, n_next, b, sight);
+                        n_after = next_block(walk, n_next, b, sight, ticket);
+                        fill_slot(p, tile, shared, (queued + 1) % Traits::kSlots, ticket, n_next, lane);
                     }
                     if (lane == 0) {
                         pipeline_v.producer_acquire(state);

@@ -33,9 +33,10 @@ constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) {
     FwdTile t{};
     t.block_n = 128;
     t.compare_by_quarters = true;  // skipping the keys a warp's rows all see or all miss pays on window edges
-    if (head_dim > 128 || head_dim_v > 128) {
+    if (head_dim_v > 128 || head_dim > 192) {
         // Two stages of 128-key K and V blocks do not fit beside Q at these head dims; 64-key
-        // blocks do, and their GEMMs (k = head dim) stay long next to the softmax.
+        // blocks do, and their GEMMs (k = head dim) stay long next to the softmax. (192, 128) fits
+        // them with the output written from the registers, and its accumulators are head dim 128's.
         t.consumer_warpgroups = 2;
         t.block_m = 128;
         t.block_n = 64;
@@ -59,7 +60,7 @@ constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) {
         t.group_sight = true;        // a window's edge blocks are seen by part of a 192-row tile only
         t.stale_max = true;          // no block max: fewer FMNMX, shuffles and exponentials per block
     } else {
-        // Head dims 96 and 128. The pingpong: one warpgroup's softmax runs under the other's GEMMs.
+        // Head dims 96, 128 and (192, 128). The pingpong: one warpgroup's softmax runs under the other's GEMMs.
         t.consumer_warpgroups = 2;
         t.block_m = 128;
         t.stages = 2;               // no shared memory for more at head dim 128 (96 takes 128's choices)

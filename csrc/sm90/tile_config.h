@@ -34,12 +34,13 @@ constexpr FwdTile fwd_tile(int head_dim, int head_dim_v) {
     t.block_n = 128;
     t.compare_by_quarters = true;  // skipping the keys a warp's rows all see or all miss pays on window edges
     if (head_dim_v > 128 || head_dim > 192) {
-        // Two stages of 128-key K and V blocks do not fit beside Q at these head dims; 64-key
-        // blocks do, and their GEMMs (k = head dim) stay long next to the softmax. (192, 128) fits
-        // them with the output written from the registers, and its accumulators are head dim 128's.
+        // Two stages of 128-key K and V blocks do not fit beside Q at these head dims (the output
+        // then leaves from the registers). (192, 128) fits them, and its accumulators are head dim
+        // 128's: it takes 128's tile below. At 192 96-key blocks fit: faster on dense masks, slower
+        // on narrow windows, whose edge blocks waste more keys. At 256 64-key blocks.
         t.consumer_warpgroups = 2;
         t.block_m = 128;
-        t.block_n = 64;
+        t.block_n = head_dim <= 192 ? 96 : 64;
         t.compare_by_quarters = false;  // the quarters are those of a 128-key block
         t.stages = 2;
         t.q_stages = 1;

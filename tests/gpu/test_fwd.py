@@ -35,7 +35,7 @@ def test_head_dims_random_masks(dtype, d, causal, c):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("sq,sk,hm", [(333, 517, 1), (517, 333, 2), (700, 700, 6)])
 def test_head_dims_odd_shapes_gqa_mask_heads(d, sq, sk, hm):
-    """Every head dim (each on its own tiles: 64-key blocks above 128) off the tiles, Sq != Sk, GQA 6/2
+    """Every head dim (each on its own tiles: 96-key blocks at 192, 64-key at 256) off the tiles, Sq != Sk, GQA 6/2
     and mask heads 1, Hk and Hq, with every C form."""
     causal, c = MODES[(sq + hm + d) % len(MODES)]
     q, k, v = make_qkv(2, sq, sk, 6, 2, d, DTYPES[-1])

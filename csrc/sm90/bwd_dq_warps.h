@@ -63,7 +63,7 @@ __device__ bool dq_warp(const BwdParams& p, const Job& job, float* smem_dq, int 
                 const int previous = job.walk.previous_visitor(m);  // the whole warp
                 if (lane == 0) wait_dq_turn(sem + m, previous + 1);
             }
-            cutlass::arch::NamedBarrier::sync(handoff_threads, dq_full_barrier(slot));
+            dq_full_sync(handoff_threads, slot);
             if (lane == 0) {
                 if (sem != nullptr) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // after the acquire
                 bulk_reduce_add(dq_accum + int64_t(m) * kTile, smem_dq, kTile * int(sizeof(float)));

@@ -216,7 +216,7 @@ struct BwdMainloop {
                 }
             }
             cutlass::arch::fence_view_async_shared();  // read by the bulk reduction (async proxy)
-            cutlass::arch::NamedBarrier::arrive(kDqHandoff, dq_full_barrier(tile % Traits::kDqWarps));
+            dq_full_arrive(kDqHandoff, tile % Traits::kDqWarps);
         }
         // Every GEMM of this job is done: the producer may load the next job's K and V.
         shared.kv_free.arrive();

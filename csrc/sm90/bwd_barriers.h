@@ -3,6 +3,8 @@
 #pragma once
 #include <cutlass/arch/barrier.h>
 
+#include "sm90/barrier_ids.h"
+
 namespace flashmask::sm90 {
 
 // The consumers' first staging (mask columns) before their first tile of a job.
@@ -12,6 +14,7 @@ constexpr int kBwdDsBarrier = 2;
 // The dQ tile handed from the consumers to a dQ warp (full, dq_full_*) and back (empty).
 constexpr int kBwdDqEmptyBarrier = 4;
 constexpr int kBwdStoreBarrier = 5;  // 5 and 6: the dK and dV buffer of each 64-key row tile
+static_assert(user_barrier_fits(kBwdStoreBarrier + 1));
 
 // The full barrier of dQ warp `slot` (up to three): each warp takes its tiles on its own, since one
 // shared barrier would let a warp early for its tile complete another's phase. User ids run out,

@@ -2,6 +2,7 @@
 // one consumer warpgroup: with two warpgroups they take turns issuing their GEMMs (pingpong); with
 // three (head dim 64, 192-row tiles) they issue freely and their turn barriers are reused.
 #pragma once
+#include "sm90/barrier_ids.h"
 
 namespace flashmask::sm90 {
 
@@ -17,6 +18,7 @@ struct FwdBarriers {
     __device__ static constexpr int job_full(int wg) { return wg == 0 ? 5 : wg == 1 ? 0 : 4; }
     // Every consumer has read the published job.
     static constexpr int kJobEmpty = 6;
+    static_assert(user_barrier_fits(kJobEmpty));
 };
 
 }  // namespace flashmask::sm90

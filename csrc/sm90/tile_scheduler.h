@@ -161,7 +161,8 @@ struct BwdJob {
 template <int kConsumerThreads, int kDqWarps>
 struct BwdScheduler {
     static constexpr int kThreads = 32 + kConsumerThreads + 32 * kDqWarps;  // producer, consumers, dQ warps
-    static constexpr int kJobFull = 7, kJobEmpty = 0;  // named barriers (bwd_barriers.h uses 1-6, 8, 9)
+    static constexpr int kJobFull = 7, kJobEmpty = 0;  // named barriers (bwd_barriers.h uses 1, 2, 4-6)
+    static_assert(user_barrier_fits(kJobFull));
     int n_blocks, num_jobs;
 
     __device__ BwdScheduler(const BwdParams& p, int block_n)

@@ -1,0 +1,245 @@
+"""The deterministic SM90 backward's dQ turns on the CPU: ``QueryBlockWalk`` (csrc/mask/block_walk.h),
+compiled with a C++ compiler, its warp-wide searches run by 32 host threads in lockstep.
+
+Each key block adds its dQ tile to every query block its walk visits, in the order its semaphore
+hands out: a key block waits for ``previous_visitor(m)``, the key block below it that visits m last.
+That order is fixed (the backward bitwise repeatable) only if every visitor waits for exactly the
+visitor before it: two visitors waiting for the same turn would race. So, for every family and
+random column intervals, each key block's walk upwards (``visible_at_or_above``) and downwards
+(``visible_at_or_below``) visit the same query blocks; they cover every tile with a visible pair
+(``masks.to_dense``); and ``previous_visitor(m)`` is the highest lower key block whose walk visits m.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import masks
+from masks.examples import example
+from masks.format import to_dense
+from tests import ROOT
+from tests.attn_helpers import random_startend
+
+CSRC = os.path.join(ROOT, "csrc")
+# The SM90 backward's head dims; each takes its tile (block_m, block_n) from csrc/sm90/tile_config.h.
+HEAD_DIMS = [64, 96, 128, 192, 256]
+
+# stdin: slices sq sk c causal head_dim, then each slice's [Sk, C] values. stdout, per slice and key
+# block: "up ; down ; previous visitor of each block in up". And "tiles": each head dim's tile.
+DRIVER = r"""
+#define __host__
+#define __device__
+#define __forceinline__ inline
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <climits>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+struct int4 {
+    int x, y, z, w;
+};
+struct ThreadIndex {
+    unsigned x;
+};
+thread_local ThreadIndex threadIdx;
+// A warp as 32 host threads: a ballot is one round of a barrier, its votes in one of three words
+// (lane 0 clears the next round's word before this round's barrier; nobody reads it until after).
+std::barrier<>* warp_barrier;
+std::atomic<unsigned> votes[3];
+thread_local int ballot_round = 0;
+unsigned __ballot_sync(unsigned, bool pred) {
+    const int r = ballot_round++ % 3;
+    if (threadIdx.x == 0) votes[(r + 1) % 3] = 0;
+    if (pred) votes[r].fetch_or(1u << threadIdx.x);
+    warp_barrier->arrive_and_wait();
+    return votes[r].load();
+}
+int __ffs(unsigned x) { return x == 0 ? 0 : __builtin_ctz(x) + 1; }
+#include "mask/block_walk.h"
+#include "sm90/tile_config.h"
+
+using namespace flashmask;
+
+// Every lane runs fn(lane) in lockstep with the others.
+void as_warp(const std::function<void(int)>& fn) {
+    std::barrier<> bar(32);
+    warp_barrier = &bar;
+    for (auto& v : votes) v = 0;
+    std::vector<std::thread> lanes;
+    for (int lane = 0; lane < 32; ++lane)
+        lanes.emplace_back([&, lane] {
+            threadIdx.x = lane;
+            ballot_round = 0;
+            fn(lane);
+        });
+    for (auto& t : lanes) t.join();
+}
+
+template <int kBlockM, int kBlockN, bool Is_causal>
+void slice(const std::vector<int>& col, int sq, int sk, int c) {
+    const int n_blocks = (sk + kBlockN - 1) / kBlockN, m_end = (sq + kBlockM - 1) / kBlockM;
+    // Each key block's 8 bounds: the min and max of each interval end over its columns.
+    std::vector<int> bounds(size_t(n_blocks) * kNumBounds);
+    for (int n = 0; n < n_blocks; ++n) {
+        int* b = bounds.data() + n * kNumBounds;
+        for (int t = 0; t < 4; ++t) b[2 * t] = INT_MAX, b[2 * t + 1] = INT_MIN;
+        for (int j = n * kBlockN; j < min((n + 1) * kBlockN, sk); ++j) {
+            const ColumnIntervals iv = read_column(col.data(), j, c, Is_causal, sq);
+            const int v[4] = {iv.lts, iv.lte, iv.uts, iv.ute};
+            for (int t = 0; t < 4; ++t) b[2 * t] = min(b[2 * t], v[t]), b[2 * t + 1] = max(b[2 * t + 1], v[t]);
+        }
+    }
+    std::vector<std::vector<int>> up(n_blocks), down(n_blocks), previous(n_blocks);
+    as_warp([&](int lane) {
+        for (int n = 0; n < n_blocks; ++n) {
+            const QueryBlockWalk<kBlockM, kBlockN, Is_causal, true> walk{bounds.data() + n * kNumBounds, n * kBlockN,
+                                                                         sq, sk, sk - sq, m_end};
+            std::vector<int> u, d, pv;
+            for (int m = walk.visible_at_or_above(walk.begin()); m < m_end; m = walk.visible_at_or_above(m + 1))
+                u.push_back(m);
+            for (int m = walk.visible_at_or_below(m_end - 1); m >= 0; m = walk.visible_at_or_below(m - 1))
+                d.push_back(m);
+            for (int m : u) pv.push_back(walk.previous_visitor(m));  // every lane: it ballots
+            if (lane == 0) up[n] = u, down[n] = d, previous[n] = pv;
+        }
+    });
+    for (int n = 0; n < n_blocks; ++n) {
+        for (int m : up[n]) std::printf("%d ", m);
+        std::printf(";");
+        for (int m : down[n]) std::printf(" %d", m);
+        std::printf(" ;");
+        for (int v : previous[n]) std::printf(" %d", v);
+        std::printf("\n");
+    }
+}
+
+// The tile of the SM90 backward at head dim kD.
+template <int kD>
+void slice_at(bool causal, const std::vector<int>& col, int sq, int sk, int c) {
+    constexpr sm90::BwdTile t = sm90::bwd_tile(kD);
+    if (causal) slice<t.block_m, t.block_n, true>(col, sq, sk, c);
+    else slice<t.block_m, t.block_n, false>(col, sq, sk, c);
+}
+
+int main(int argc, char** argv) {
+    if (argc > 1 && std::string(argv[1]) == "tiles") {
+        for (int d : {64, 96, 128, 192, 256})
+            std::printf("%d %d %d\n", d, sm90::bwd_tile(d).block_m, sm90::bwd_tile(d).block_n);
+        return 0;
+    }
+    int slices, sq, sk, c, causal, d;
+    if (std::scanf("%d %d %d %d %d %d", &slices, &sq, &sk, &c, &causal, &d) != 6) return 1;
+    std::vector<int> col(size_t(sk) * c);
+    for (int s = 0; s < slices; ++s) {
+        for (int& x : col)
+            if (std::scanf("%d", &x) != 1) return 1;
+        switch (d) {
+            case 64: slice_at<64>(causal, col, sq, sk, c); break;
+            case 96: slice_at<96>(causal, col, sq, sk, c); break;
+            case 128: slice_at<128>(causal, col, sq, sk, c); break;
+            case 192: slice_at<192>(causal, col, sq, sk, c); break;
+            case 256: slice_at<256>(causal, col, sq, sk, c); break;
+            default: return 2;
+        }
+        std::fflush(stdout);
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path_factory.mktemp("dq_turns")
+    (out / "driver.cpp").write_text(DRIVER)
+    exe = out / "driver"
+    build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-I", CSRC, str(out / "driver.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True)
+    if build.returncode != 0 and "barrier" in build.stderr and "No such file" in build.stderr:
+        pytest.skip("the C++ compiler has no <barrier> (C++20)")
+    assert build.returncode == 0, build.stderr[-3000:]
+    return exe
+
+
+@pytest.fixture(scope="module")
+def tiles(driver):
+    """Head dim -> (block_m, block_n) of the SM90 backward, as the driver compiled them."""
+    run = subprocess.run([str(driver), "tiles"], capture_output=True, text=True, check=True)
+    return {d: (bm, bn) for d, bm, bn in ([int(x) for x in line.split()] for line in run.stdout.splitlines())}
+
+
+def walks(exe, mask: torch.Tensor, causal: bool, sq: int, d: int, block_n: int):
+    """Per slice of mask ([B, Hm, Sk, C]) and key block of the head dim d tile: (blocks walked up,
+    walked down, previous visitor of each block walked up)."""
+    b, hm, sk, c = mask.shape
+    lines = [f"{b * hm} {sq} {sk} {c} {int(causal)} {d}"]
+    lines += [" ".join(map(str, s.flatten().tolist())) for s in mask.reshape(b * hm, sk, c)]
+    run = subprocess.run([str(exe)], input="\n".join(lines), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [[[int(x) for x in part.split()] for part in line.split(";")] for line in run.stdout.splitlines()]
+    n_blocks = -(-sk // block_n)
+    assert len(rows) == b * hm * n_blocks
+    return [rows[i * n_blocks:(i + 1) * n_blocks] for i in range(b * hm)]
+
+
+def check_turns(exe, tiles, mask: torch.Tensor, causal: bool, sq: int, d: int):
+    block_m, block_n = tiles[d]
+    sk = mask.shape[2]
+    m_end = -(-sq // block_m)
+    dense = to_dense(mask, causal, seqlen_q=sq, seqlen_k=sk)  # [B, Hm, Sq, Sk], True: attends
+    # Which (query block, key block) tiles hold a visible pair.
+    pad = torch.zeros(*dense.shape[:2], m_end * block_m, -(-sk // block_n) * block_n, dtype=torch.bool)
+    pad[..., :sq, :sk] = dense
+    seen = pad.unflatten(2, (m_end, block_m)).unflatten(4, (-1, block_n)).any(3).any(-1)  # [B, Hm, M, N]
+    for s, blocks in enumerate(walks(exe, mask, causal, sq, d, block_n)):
+        sight = seen.flatten(0, 1)[s]
+        last_visitor = {}
+        for n, (up, down, previous) in enumerate(blocks):
+            assert up == sorted(set(up)) and all(0 <= m < m_end for m in up), (s, n, up)
+            assert sorted(down) == up, f"slice {s}, key block {n}: walked up {up}, down {down}"
+            missed = sorted(set(torch.nonzero(sight[:, n]).flatten().tolist()) - set(up))
+            assert not missed, f"slice {s}, key block {n}: query blocks {missed} hold visible pairs, not walked"
+            for m, got in zip(up, previous):
+                want = last_visitor.get(m, -1)
+                assert got == want, (f"slice {s}, key block {n}, query block {m}: previous visitor {got}, "
+                                     f"but the last lower key block to visit it is {want}")
+                last_visitor[m] = n
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("family", sorted(masks.FAMILIES))
+def test_every_family(driver, tiles, family, d):
+    """Each family at a length off the tiles (a few thousand tokens: many documents and window edges)."""
+    mask, causal = example(family, 2900, batch_size=1)
+    check_turns(driver, tiles, mask, causal, 2900, d)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal,c", [(True, 1), (True, 2), (False, 2), (False, 4)])
+@pytest.mark.parametrize("sq,sk", [(700, 700), (333, 1000), (1000, 333)])
+def test_random_intervals(driver, tiles, sq, sk, causal, c, d):
+    """Random column intervals (a share of them block-constant, so whole tiles are hidden), Sq != Sk."""
+    gen = torch.Generator().manual_seed(sq * 7 + sk * 3 + c + 11 * causal + d)
+    mask = random_startend(2, 2, sq, sk, causal, c, generator=gen)
+    check_turns(driver, tiles, mask, causal, sq, d)
+
+
+def test_searches_past_one_round(driver, tiles):
+    """The global sliding window at 16K: a window's first key block more than 128 blocks above the
+    global keys, its previous visitor, so that previous_visitor's search takes more than one round
+    of 32 lanes x 4 blocks."""
+    mask, causal = example("global_sliding_window", 16384, batch_size=1)
+    d = min(tiles, key=lambda d: tiles[d][1])  # the shortest key blocks: the most of them
+    check_turns(driver, tiles, mask, causal, 16384, d)

@@ -11,8 +11,6 @@ random column intervals, each key block's walk upwards (``visible_at_or_above``)
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
@@ -21,10 +19,9 @@ import torch
 import masks
 from masks.examples import example
 from masks.format import to_dense
-from tests import ROOT
 from tests.attn_helpers import random_startend
+from tests.cxx import build
 
-CSRC = os.path.join(ROOT, "csrc")
 # The SM90 backward's head dims; each takes its tile (block_m, block_n) from csrc/sm90/tile_config.h.
 HEAD_DIMS = [64, 96, 128, 192, 256]
 
@@ -159,18 +156,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path_factory.mktemp("dq_turns")
-    (out / "driver.cpp").write_text(DRIVER)
-    exe = out / "driver"
-    build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-I", CSRC, str(out / "driver.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True)
-    if build.returncode != 0 and "barrier" in build.stderr and "No such file" in build.stderr:
-        pytest.skip("the C++ compiler has no <barrier> (C++20)")
-    assert build.returncode == 0, build.stderr[-3000:]
-    return exe
+    return build(DRIVER, tmp_path_factory.mktemp("dq_turns"), "driver", "-std=c++20", "-pthread")
 
 
 @pytest.fixture(scope="module")

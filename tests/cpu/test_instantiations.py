@@ -1,21 +1,13 @@
 """The one list of kernel instantiations (csrc/instantiations.py) and the files it generates."""
-import importlib.util
 import os
 import re
 
 import pytest
 
 from tests import ROOT
+from tests.cxx import instantiations
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("fm_inst", os.path.join(ROOT, "csrc", "instantiations.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-inst = _module()
+inst = instantiations()
 # A row of kernel_registry.inc: arch, head dim, value head dim, dtype, the slots, bwd_skips_sm90.
 ROW = r"\{(\d+), (\d+), (\d+), DType::(\w+), ([^}]*), (true|false)\}"
 

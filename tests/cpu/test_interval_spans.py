@@ -9,15 +9,9 @@ or the quarters would compare what they could leave out.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
-import pytest
-
-from tests import ROOT
-
-CSRC = os.path.join(ROOT, "csrc")
+from tests.cxx import build
 
 PROGRAM = r"""
 #define __host__
@@ -62,14 +56,7 @@ int main() {
 
 
 def test_span_test_agrees_with_the_row_test(tmp_path):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    src = tmp_path / "spans.cpp"
-    src.write_text(PROGRAM)
-    exe = tmp_path / "spans"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-I", CSRC, str(src), "-o", str(exe)], check=True,
-                   capture_output=True, text=True)
+    exe = build(PROGRAM, tmp_path, "spans")
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     lines = run.stdout.split()
     assert len(lines) == 16, run.stdout  # four modes, four numbers each

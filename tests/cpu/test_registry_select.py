@@ -8,18 +8,15 @@ dim; a build for sm_90 alone keeps it; and no call that names no family changes 
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 import torch
 
-from tests import ROOT
+from tests.cxx import CSRC, build, instantiations
 
-CSRC = os.path.join(ROOT, "csrc")
 PAIRS = [(32, 32), (40, 40), (64, 64), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128),
          (96, 64), (160, 128)]
 SLOTS = ("fwd", "bwd", "bwd_deterministic")
@@ -53,21 +50,11 @@ int main() {
 """
 
 
-def _instantiations():
-    spec = importlib.util.spec_from_file_location("fm_inst_registry", os.path.join(CSRC, "instantiations.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _select_table(tmp_path, archs):
     """{(cc, forced arch, d, dv, slot): (family, head dim) or None} and {(cc, d): backward families}
     of a build for the CUDA archs ``archs`` (every head dim and dtype)."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    inst = _instantiations()
+    inst = instantiations()
     out = tmp_path / "".join(archs)
     inst.generate(str(out), inst.instantiations(archs=inst.arch_families(archs)), archs)
     registry = (out / "kernel_registry.inc").read_text()
@@ -75,14 +62,11 @@ def _select_table(tmp_path, archs):
              if line.startswith("void run_")]
     (out / "stubs.inc").write_text("\n".join(stubs) + "\n")
     (out / "cuda_runtime.h").write_text("typedef struct CUstream_st* cudaStream_t;\n")  # all registry.h needs
-    (out / "driver.cpp").write_text(DRIVER % {"pairs": ", ".join(f"{{{d}, {dv}}}" for d, dv in PAIRS)})
-    exe = out / "driver"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    build = subprocess.run([cxx, "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", CSRC, "-I", str(out),
-                            "-I", os.path.join(os.path.dirname(torch.__file__), "include"), str(out / "driver.cpp"),
-                            os.path.join(CSRC, "api", "registry.cpp"), f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}",
-                            "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
+    exe = build(DRIVER % {"pairs": ", ".join(f"{{{d}, {dv}}}" for d, dv in PAIRS)}, out, "driver",
+                f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(out), "-I",
+                os.path.join(os.path.dirname(torch.__file__), "include"), os.path.join(CSRC, "api", "registry.cpp"),
+                f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}")
     run = subprocess.run([str(exe)], capture_output=True, text=True, env=dict(os.environ, FLASHMASK_ARCH=""))
     assert run.returncode == 0, run.stderr[-3000:]
     select, backward = {}, {}

@@ -10,16 +10,7 @@ refuses the splits known to overflow.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import subprocess
-
-import pytest
-
-from tests import ROOT
-
-CSRC = os.path.join(ROOT, "csrc")
+from tests.cxx import check_compiles, instantiations
 
 PROGRAM = r"""
 #include "sm90/tile_config.h"
@@ -65,29 +56,13 @@ int main() { return 0; }
 
 
 def test_register_splits_fit(tmp_path):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    src = tmp_path / "fit.cpp"
-    src.write_text(PROGRAM)
-    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-
-
-def _instantiations():
-    spec = importlib.util.spec_from_file_location("fm_inst_tiles", os.path.join(CSRC, "instantiations.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    check_compiles(PROGRAM, tmp_path, "fit")
 
 
 def test_sm80_pair_tiles(tmp_path):
     """Every SM80 pair's tiles: an equal head dim keeps the tiles of its head dim (the kernels it had
     before pairs existed), an unequal pair takes those of its wider head dim."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    inst = _instantiations()
+    inst = instantiations()
     lines = ['#include "sm80/tile_config.h"', "using namespace flashmask::sm80;",
              "constexpr bool same(FwdTile a, FwdTile b) {",
              "    return a.block_m == b.block_m && a.block_n == b.block_n && a.warps == b.warps;", "}",
@@ -100,19 +75,13 @@ def test_sm80_pair_tiles(tmp_path):
         for fn in ("fwd_tile", "bwd_tile"):
             lines.append(f'static_assert(same({fn}({d}, {dv}), {fn}({wide})), "{fn}({d}, {dv})");')
     lines.append("int main() { return 0; }")
-    src = tmp_path / "pairs.cpp"
-    src.write_text("\n".join(lines) + "\n")
-    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    check_compiles("\n".join(lines) + "\n", tmp_path, "pairs")
 
 
 def test_sm90_pair_splits_fit(tmp_path):
     """Every SM90 forward the build list holds (equal head dims and pairs) has a register split that
     fits its CTA, 64 rows per warpgroup and a pingpong that never skips; every SM90 backward too."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    inst = _instantiations()
+    inst = instantiations()
     lines = ['#include "sm90/tile_config.h"', "using namespace flashmask::sm90;"]
     built = {(i.head_dim, i.head_dim_v, i.kernel) for i in inst.instantiations(archs=["sm90"], dtypes=["bf16"])}
     assert {(d, dv) for d, dv, k in built if k == "fwd"} >= {(96, 96), (192, 192), (256, 256), (192, 128)}
@@ -126,7 +95,4 @@ def test_sm90_pair_splits_fit(tmp_path):
         else:
             lines.append(f'static_assert(bwd_tile({d}).dq_warps >= 1 && bwd_tile({d}).dq_warps <= 3, "bwd {d}");')
     lines.append("int main() { return 0; }")
-    src = tmp_path / "sm90.cpp"
-    src.write_text("\n".join(lines))
-    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-I", CSRC, str(src)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    check_compiles("\n".join(lines), tmp_path, "sm90")

@@ -7,18 +7,15 @@ and values outside [0, Sq], which compare as if clamped.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
 import torch
 
 from masks.format import to_dense
-from tests import ROOT
 from tests.attn_helpers import random_startend
+from tests.cxx import build
 
-CSRC = os.path.join(ROOT, "csrc")
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
 # stdin: slices sq sk c causal, then each slice's [Sk, C] values; stdout: each slice's Sq counts.
@@ -52,16 +49,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    out = tmp_path_factory.mktemp("visible_runs")
-    (out / "driver.cpp").write_text(DRIVER)
-    exe = out / "driver"
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", CSRC, str(out / "driver.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    return exe
+    return build(DRIVER, tmp_path_factory.mktemp("visible_runs"), "driver")
 
 
 def key_counts(exe, mask: torch.Tensor, causal: bool, sq: int) -> torch.Tensor:

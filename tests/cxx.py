@@ -13,6 +13,7 @@ import pytest
 from tests import ROOT
 
 CSRC = os.path.join(ROOT, "csrc")
+TESTS = os.path.join(ROOT, "tests")  # host_device.h: csrc/'s device environment on the host
 
 
 def compiler() -> str:
@@ -29,7 +30,7 @@ def build(source: str, out_dir, name: str, *flags: str) -> Path:
     with the compiler's message."""
     src, exe = Path(out_dir) / f"{name}.cpp", Path(out_dir) / name
     src.write_text(source)
-    run = subprocess.run([compiler(), "-std=c++17", "-O1", "-I", CSRC, str(src), *flags, "-o", str(exe)],
+    run = subprocess.run([compiler(), "-std=c++17", "-O1", "-I", CSRC, "-I", TESTS, str(src), *flags, "-o", str(exe)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     return exe

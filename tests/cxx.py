@@ -52,3 +52,14 @@ def instantiations():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_on_mask(exe, mask, sq: int, causal: bool, *header) -> list[str]:
+    """Runs a driver on ``mask`` ([B, Hm, Sk, C]): stdin gets "slices sq sk c causal" and ``header``,
+    then each (batch, mask head) slice's [Sk, C] values; returns its output lines."""
+    b, hm, sk, c = mask.shape
+    lines = [" ".join(map(str, (b * hm, sq, sk, c, int(causal), *header)))]
+    lines += [" ".join(map(str, s.flatten().tolist())) for s in mask.reshape(b * hm, sk, c)]
+    run = subprocess.run([str(exe)], input="\n".join(lines), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()

@@ -20,7 +20,7 @@ import masks
 from masks.examples import example
 from masks.format import to_dense
 from tests.attn_helpers import random_startend
-from tests.cxx import build
+from tests.cxx import build, run_on_mask
 
 # The SM90 backward's head dims; each takes its tile (block_m, block_n) from csrc/sm90/tile_config.h.
 HEAD_DIMS = [64, 96, 128, 192, 256]
@@ -111,12 +111,9 @@ def tiles(driver):
 def walks(exe, mask: torch.Tensor, causal: bool, sq: int, d: int, block_n: int):
     """Per slice of mask ([B, Hm, Sk, C]) and key block of the head dim d tile: (blocks walked up,
     walked down, previous visitor of each block walked up)."""
-    b, hm, sk, c = mask.shape
-    lines = [f"{b * hm} {sq} {sk} {c} {int(causal)} {d}"]
-    lines += [" ".join(map(str, s.flatten().tolist())) for s in mask.reshape(b * hm, sk, c)]
-    run = subprocess.run([str(exe)], input="\n".join(lines), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    rows = [[[int(x) for x in part.split()] for part in line.split(";")] for line in run.stdout.splitlines()]
+    b, hm, sk, _ = mask.shape
+    lines = run_on_mask(exe, mask, sq, causal, d)
+    rows = [[[int(x) for x in part.split()] for part in line.split(";")] for line in lines]
     n_blocks = -(-sk // block_n)
     assert len(rows) == b * hm * n_blocks
     return [rows[i * n_blocks:(i + 1) * n_blocks] for i in range(b * hm)]

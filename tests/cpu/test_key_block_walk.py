@@ -24,7 +24,7 @@ import masks
 from masks.examples import example
 from masks.format import to_dense
 from tests.attn_helpers import random_startend
-from tests.cxx import build
+from tests.cxx import build, run_on_mask
 
 # (family, head dim, value head dim): each takes its forward tile from csrc/sm80/tile_config.h or
 # csrc/sm90/tile_config.h.
@@ -51,10 +51,10 @@ int floor_of(const Walk& walk, const int* bounds, int n_blocks) {
     return n_blocks;
 }
 
-// The SM90 forward's load warp (fwd_producer.h): each visible block's ticket, told what follows it.
-template <int kBlockM, int kBlockN, int kGroups, bool kGroupSight, bool Is_causal>
-void sm90_slice(const std::vector<int>& col, int sq, int sk, int c) {
-    using Ticket = sm90::GroupTicket<kGroups>;
+// Every query tile's walk from its causal end down to its floor, as one output line: `blocks(walk)`
+// walks it (every lane: the walk ballots).
+template <int kBlockM, int kBlockN, bool Is_causal, typename Blocks>
+void walk_tiles(const std::vector<int>& col, int sq, int sk, int c, Blocks blocks) {
     const std::vector<int> bounds = block_bounds(col, sq, sk, c, Is_causal, kBlockN);
     const int m_tiles = (sq + kBlockM - 1) / kBlockM, n_blocks = (sk + kBlockN - 1) / kBlockN;
     std::vector<std::string> out(m_tiles);
@@ -63,56 +63,61 @@ void sm90_slice(const std::vector<int>& col, int sq, int sk, int c) {
             KeyBlockWalk<kBlockN, Is_causal, true> walk{bounds.data(), m * kBlockM, min((m + 1) * kBlockM, sq), sk,
                                                         sk - sq};
             walk.n_floor = floor_of(walk, bounds.data(), n_blocks);
-            std::string line;
-            BlockBounds bnd = walk.bounds_of(walk.end() - 1);
-            int n = walk.visible_at_or_below(walk.end() - 1, bnd);
-            int sight = n >= 0 ? Ticket::template sight<kGroupSight>(walk, n, bnd) : 0;
-            while (n >= 0) {
-                Ticket ticket = Ticket::template make<kGroupSight>(walk, n, bnd, sight);
-                bnd = walk.bounds_of(n - 1);
-                const int next = walk.visible_at_or_below(n - 1, bnd);
-                sight = next >= 0 ? Ticket::template sight<kGroupSight>(walk, next, bnd) : 0;
-                ticket.set_next(sight, next < 0);
-                line += " " + std::to_string(ticket.block()) + " " + std::to_string(ticket.last());
-                for (int g = 0; g < kGroups; ++g) {
-                    const TileCompare t = ticket.compare(g);
-                    line += " " + std::to_string(ticket.sees(g)) + " " + std::to_string(t.intervals) + " " +
-                            std::to_string(t.edges) + " " + std::to_string(ticket.run_continues(g));
-                }
-                n = next;
-            }
+            const std::string line = blocks(walk);
             if (lane == 0) out[m] = line;
         }
     });
     for (const auto& line : out) std::printf("%s\n", line.c_str());
 }
 
+std::string fields(std::initializer_list<int> values) {
+    std::string s;
+    for (int v : values) s += " " + std::to_string(v);
+    return s;
+}
+
+// The SM90 forward's load warp (fwd_producer.h): each visible block's ticket, told what follows it.
+template <int kBlockM, int kBlockN, int kGroups, bool kGroupSight, bool Is_causal>
+void sm90_slice(const std::vector<int>& col, int sq, int sk, int c) {
+    using Ticket = sm90::GroupTicket<kGroups>;
+    walk_tiles<kBlockM, kBlockN, Is_causal>(col, sq, sk, c, [](const auto& walk) {
+        std::string line;
+        BlockBounds bnd = walk.bounds_of(walk.end() - 1);
+        int n = walk.visible_at_or_below(walk.end() - 1, bnd);
+        int sight = n >= 0 ? Ticket::template sight<kGroupSight>(walk, n, bnd) : 0;
+        while (n >= 0) {
+            Ticket ticket = Ticket::template make<kGroupSight>(walk, n, bnd, sight);
+            bnd = walk.bounds_of(n - 1);
+            const int next = walk.visible_at_or_below(n - 1, bnd);
+            sight = next >= 0 ? Ticket::template sight<kGroupSight>(walk, next, bnd) : 0;
+            ticket.set_next(sight, next < 0);
+            line += fields({ticket.block(), ticket.last()});
+            for (int g = 0; g < kGroups; ++g) {
+                const TileCompare t = ticket.compare(g);
+                line += fields({ticket.sees(g), t.intervals, t.edges, ticket.run_continues(g)});
+            }
+            n = next;
+        }
+        return line;
+    });
+}
+
 // The SM80 forward (sm80/fwd_kernel.h): the same walk, one compare for the whole tile.
 template <int kBlockM, int kBlockN, bool Is_causal>
 void sm80_slice(const std::vector<int>& col, int sq, int sk, int c) {
-    const std::vector<int> bounds = block_bounds(col, sq, sk, c, Is_causal, kBlockN);
-    const int m_tiles = (sq + kBlockM - 1) / kBlockM, n_blocks = (sk + kBlockN - 1) / kBlockN;
-    std::vector<std::string> out(m_tiles);
-    as_warp([&](int lane) {
-        for (int m = 0; m < m_tiles; ++m) {
-            KeyBlockWalk<kBlockN, Is_causal, true> walk{bounds.data(), m * kBlockM, min((m + 1) * kBlockM, sq), sk,
-                                                        sk - sq};
-            walk.n_floor = floor_of(walk, bounds.data(), n_blocks);
-            std::string line;
-            BlockBounds bnd = walk.bounds_of(walk.end() - 1);
-            int n = walk.visible_at_or_below(walk.end() - 1, bnd);
-            while (n >= 0) {
-                const TileCompare t = walk.compare(n, bnd);
-                bnd = walk.bounds_of(n - 1);
-                const int next = walk.visible_at_or_below(n - 1, bnd);
-                line += " " + std::to_string(n) + " " + std::to_string(next < 0) + " 1 " + std::to_string(t.intervals) +
-                        " " + std::to_string(t.edges) + " " + std::to_string(next >= 0);
-                n = next;
-            }
-            if (lane == 0) out[m] = line;
+    walk_tiles<kBlockM, kBlockN, Is_causal>(col, sq, sk, c, [](const auto& walk) {
+        std::string line;
+        BlockBounds bnd = walk.bounds_of(walk.end() - 1);
+        int n = walk.visible_at_or_below(walk.end() - 1, bnd);
+        while (n >= 0) {
+            const TileCompare t = walk.compare(n, bnd);
+            bnd = walk.bounds_of(n - 1);
+            const int next = walk.visible_at_or_below(n - 1, bnd);
+            line += fields({n, next < 0, 1, t.intervals, t.edges, next >= 0});
+            n = next;
         }
+        return line;
     });
-    for (const auto& line : out) std::printf("%s\n", line.c_str());
 }
 
 template <int kD, int kDv>
@@ -186,14 +191,9 @@ def tiles(driver):
 def walks(exe, mask: torch.Tensor, causal: bool, sq: int, kernel, groups: int):
     """Per slice and query tile: the visited blocks, each (n, last, [(sees, intervals, edges,
     continues)] per group)."""
-    b, hm, sk, c = mask.shape
-    lines = [f"{b * hm} {sq} {sk} {c} {int(causal)} {kernel[0]} {kernel[1]} {kernel[2]}"]
-    lines += [" ".join(map(str, s.flatten().tolist())) for s in mask.reshape(b * hm, sk, c)]
-    run = subprocess.run([str(exe)], input="\n".join(lines), capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
     per_block = 2 + 4 * groups
     tiles = []
-    for line in run.stdout.splitlines():
+    for line in run_on_mask(exe, mask, sq, causal, *kernel):
         v = [int(x) for x in line.split()]
         tiles.append([(v[i], v[i + 1], [tuple(v[i + 2 + 4 * g:i + 6 + 4 * g]) for g in range(groups)])
                       for i in range(0, len(v), per_block)])

@@ -7,14 +7,12 @@ and values outside [0, Sq], which compare as if clamped.
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 from masks.format import to_dense
 from tests.attn_helpers import random_startend
-from tests.cxx import build
+from tests.cxx import build, run_on_mask
 
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
@@ -54,12 +52,8 @@ def driver(tmp_path_factory):
 
 def key_counts(exe, mask: torch.Tensor, causal: bool, sq: int) -> torch.Tensor:
     """[B, Hm, Sq]: the keys each row may attend, by visible_runs."""
-    b, hm, sk, c = mask.shape
-    lines = [f"{b * hm} {sq} {sk} {c} {int(causal)}"] + [" ".join(map(str, s.flatten().tolist()))
-                                                        for s in mask.reshape(b * hm, sk, c)]
-    run = subprocess.run([str(exe)], input="\n".join(lines), capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    return torch.tensor([[int(x) for x in line.split()] for line in run.stdout.splitlines()]).view(b, hm, sq)
+    b, hm = mask.shape[:2]
+    return torch.tensor([[int(x) for x in line.split()] for line in run_on_mask(exe, mask, sq, causal)]).view(b, hm, sq)
 
 
 @pytest.mark.parametrize("causal,c", MODES)

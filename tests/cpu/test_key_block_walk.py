@@ -1,7 +1,7 @@
-"""The forward's key-block walk on the CPU: ``KeyBlockWalk`` (csrc/mask/block_walk.h) and the SM90
-forward's tickets (``GroupTicket``, csrc/sm90/block_ticket.h), compiled with a C++ compiler and
-walked as the producers walk them, at every head dim's tile of both kernel families, against the
-dense mask of ``masks.to_dense``.
+"""The key-block walk of a query tile on the CPU: ``KeyBlockWalk`` (csrc/mask/block_walk.h) and the
+SM90 forward's tickets (``GroupTicket``, csrc/sm90/block_ticket.h), compiled with a C++ compiler
+and walked as the kernels walk them (both forwards, and the SM80 deterministic dQ kernel) at every
+head dim's tile, against the dense mask of ``masks.to_dense``.
 
 A query tile reads only the key blocks its walk visits, and compares scores with the mask only
 where a block's ticket (SM90, per consumer warpgroup) or compare (SM80) says so: a visible key block
@@ -26,10 +26,10 @@ from masks.format import to_dense
 from tests.attn_helpers import random_startend
 from tests.cxx import build, run_on_mask
 
-# (family, head dim, value head dim): each takes its forward tile from csrc/sm80/tile_config.h or
-# csrc/sm90/tile_config.h.
+# (kernel, head dim, value head dim): each takes its tile from csrc/sm80/tile_config.h or
+# csrc/sm90/tile_config.h ("sm80dq": the SM80 deterministic dQ kernel, which walks key blocks too).
 KERNELS = [("sm90", 64, 64), ("sm90", 96, 96), ("sm90", 128, 128), ("sm90", 192, 128), ("sm90", 192, 192),
-           ("sm90", 256, 256), ("sm80", 64, 64), ("sm80", 128, 128)]
+           ("sm90", 256, 256), ("sm80", 64, 64), ("sm80", 128, 128), ("sm80dq", 128, 128), ("sm80dq", 256, 256)]
 
 # stdin: slices sq sk c causal arch d dv, then each slice's [Sk, C] values. stdout: "tile G R", the
 # groups of R rows a query tile splits into, then per slice and query tile one line with each visited
@@ -51,10 +51,10 @@ int floor_of(const Walk& walk, const int* bounds, int n_blocks) {
     return n_blocks;
 }
 
-// Every query tile's walk from its causal end down to its floor, as one output line: `blocks(walk)`
-// walks it (every lane: the walk ballots).
+// Every query tile's walk from its causal end down to its floor (with `floor`; else to block 0), as
+// one output line: `blocks(walk)` walks it (every lane: the walk ballots).
 template <int kBlockM, int kBlockN, bool Is_causal, typename Blocks>
-void walk_tiles(const std::vector<int>& col, int sq, int sk, int c, Blocks blocks) {
+void walk_tiles(const std::vector<int>& col, int sq, int sk, int c, bool floor, Blocks blocks) {
     const std::vector<int> bounds = block_bounds(col, sq, sk, c, Is_causal, kBlockN);
     const int m_tiles = (sq + kBlockM - 1) / kBlockM, n_blocks = (sk + kBlockN - 1) / kBlockN;
     std::vector<std::string> out(m_tiles);
@@ -62,7 +62,7 @@ void walk_tiles(const std::vector<int>& col, int sq, int sk, int c, Blocks block
         for (int m = 0; m < m_tiles; ++m) {
             KeyBlockWalk<kBlockN, Is_causal, true> walk{bounds.data(), m * kBlockM, min((m + 1) * kBlockM, sq), sk,
                                                         sk - sq};
-            walk.n_floor = floor_of(walk, bounds.data(), n_blocks);
+            if (floor) walk.n_floor = floor_of(walk, bounds.data(), n_blocks);
             const std::string line = blocks(walk);
             if (lane == 0) out[m] = line;
         }
@@ -80,7 +80,7 @@ std::string fields(std::initializer_list<int> values) {
 template <int kBlockM, int kBlockN, int kGroups, bool kGroupSight, bool Is_causal>
 void sm90_slice(const std::vector<int>& col, int sq, int sk, int c) {
     using Ticket = sm90::GroupTicket<kGroups>;
-    walk_tiles<kBlockM, kBlockN, Is_causal>(col, sq, sk, c, [](const auto& walk) {
+    walk_tiles<kBlockM, kBlockN, Is_causal>(col, sq, sk, c, true, [](const auto& walk) {
         std::string line;
         BlockBounds bnd = walk.bounds_of(walk.end() - 1);
         int n = walk.visible_at_or_below(walk.end() - 1, bnd);
@@ -102,10 +102,11 @@ void sm90_slice(const std::vector<int>& col, int sq, int sk, int c) {
     });
 }
 
-// The SM80 forward (sm80/fwd_kernel.h): the same walk, one compare for the whole tile.
+// The SM80 forward (sm80/fwd_kernel.h; with the tile floor) and the SM80 deterministic dQ
+// (sm80/bwd_dq_kernel.h; without): the same walk, one compare for the whole tile.
 template <int kBlockM, int kBlockN, bool Is_causal>
-void sm80_slice(const std::vector<int>& col, int sq, int sk, int c) {
-    walk_tiles<kBlockM, kBlockN, Is_causal>(col, sq, sk, c, [](const auto& walk) {
+void sm80_slice(const std::vector<int>& col, int sq, int sk, int c, bool floor) {
+    walk_tiles<kBlockM, kBlockN, Is_causal>(col, sq, sk, c, floor, [](const auto& walk) {
         std::string line;
         BlockBounds bnd = walk.bounds_of(walk.end() - 1);
         int n = walk.visible_at_or_below(walk.end() - 1, bnd);
@@ -130,8 +131,15 @@ void sm90_at(bool causal, const std::vector<int>& col, int sq, int sk, int c) {
 template <int kD>
 void sm80_at(bool causal, const std::vector<int>& col, int sq, int sk, int c) {
     constexpr sm80::FwdTile t = sm80::fwd_tile(kD);
-    if (causal) sm80_slice<t.block_m, t.block_n, true>(col, sq, sk, c);
-    else sm80_slice<t.block_m, t.block_n, false>(col, sq, sk, c);
+    if (causal) sm80_slice<t.block_m, t.block_n, true>(col, sq, sk, c, true);
+    else sm80_slice<t.block_m, t.block_n, false>(col, sq, sk, c, true);
+}
+
+template <int kD>
+void sm80_dq_at(bool causal, const std::vector<int>& col, int sq, int sk, int c) {
+    constexpr sm80::BwdTile t = sm80::bwd_tile(kD);
+    if (causal) sm80_slice<t.block_m, t.block_n, true>(col, sq, sk, c, false);
+    else sm80_slice<t.block_m, t.block_n, false>(col, sq, sk, c, false);
 }
 
 int main(int argc, char** argv) {
@@ -146,13 +154,17 @@ int main(int argc, char** argv) {
             const sm80::FwdTile t80 = sm80::fwd_tile(d);
             std::printf("sm80 %d %d %d %d 1\n", d, d, t80.block_m, t80.block_n);
         }
+        for (int d : {128, 256}) {
+            const sm80::BwdTile t80 = sm80::bwd_tile(d);
+            std::printf("sm80dq %d %d %d %d 1\n", d, d, t80.block_m, t80.block_n);
+        }
         return 0;
     }
     int slices, sq, sk, c, causal, d, dv;
     char arch[8];
     if (std::scanf("%d %d %d %d %d %7s %d %d", &slices, &sq, &sk, &c, &causal, arch, &d, &dv) != 8) return 1;
     std::vector<int> col(size_t(sk) * c);
-    const bool sm90 = std::string(arch) == "sm90";
+    const bool sm90 = std::string(arch) == "sm90", dq = std::string(arch) == "sm80dq";
     for (int s = 0; s < slices; ++s) {
         for (int& x : col)
             if (std::scanf("%d", &x) != 1) return 1;
@@ -162,6 +174,8 @@ int main(int argc, char** argv) {
         else if (sm90 && d == 192 && dv == 128) sm90_at<192, 128>(causal, col, sq, sk, c);
         else if (sm90 && d == 192) sm90_at<192, 192>(causal, col, sq, sk, c);
         else if (sm90 && d == 256) sm90_at<256, 256>(causal, col, sq, sk, c);
+        else if (dq && d == 128) sm80_dq_at<128>(causal, col, sq, sk, c);
+        else if (dq && d == 256) sm80_dq_at<256>(causal, col, sq, sk, c);
         else if (!sm90 && d == 64) sm80_at<64>(causal, col, sq, sk, c);
         else if (!sm90 && d == 128) sm80_at<128>(causal, col, sq, sk, c);
         else return 2;

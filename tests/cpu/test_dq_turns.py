@@ -7,7 +7,9 @@ That order is fixed (the backward bitwise repeatable) only if every visitor wait
 visitor before it: two visitors waiting for the same turn would race. So, for every family and
 random column intervals, each key block's walk upwards (``visible_at_or_above``) and downwards
 (``visible_at_or_below``) visit the same query blocks; they cover every tile with a visible pair
-(``masks.to_dense``); and ``previous_visitor(m)`` is the highest lower key block whose walk visits m.
+(``masks.to_dense``); ``previous_visitor(m)`` is the highest lower key block whose walk visits m;
+and each tile with a pair masked by the causal bound, the end of the keys or the intervals has that
+compared (``QueryBlockWalk::compare``, what the backward producer's tickets carry).
 """
 from __future__ import annotations
 
@@ -18,15 +20,16 @@ import torch
 
 import masks
 from masks.examples import example
-from masks.format import to_dense
 from tests.attn_helpers import random_startend
 from tests.cxx import build, run_on_mask
+from tests.tile_oracle import tiles_of
 
 # The SM90 backward's head dims; each takes its tile (block_m, block_n) from csrc/sm90/tile_config.h.
 HEAD_DIMS = [64, 96, 128, 192, 256]
 
 # stdin: slices sq sk c causal head_dim, then each slice's [Sk, C] values. stdout, per slice and key
-# block: "up ; down ; previous visitor of each block in up". And "tiles": each head dim's tile.
+# block: "up ; down ; previous visitor of each block in up ; its compare (intervals | edges << 1)".
+# And "tiles": each head dim's tile.
 DRIVER = r"""
 #include "host_device.h"
 #include "mask/block_walk.h"
@@ -38,18 +41,19 @@ template <int kBlockM, int kBlockN, bool Is_causal>
 void slice(const std::vector<int>& col, int sq, int sk, int c) {
     const int n_blocks = (sk + kBlockN - 1) / kBlockN, m_end = (sq + kBlockM - 1) / kBlockM;
     const std::vector<int> bounds = block_bounds(col, sq, sk, c, Is_causal, kBlockN);
-    std::vector<std::vector<int>> up(n_blocks), down(n_blocks), previous(n_blocks);
+    std::vector<std::vector<int>> up(n_blocks), down(n_blocks), previous(n_blocks), compares(n_blocks);
     as_warp([&](int lane) {
         for (int n = 0; n < n_blocks; ++n) {
             const QueryBlockWalk<kBlockM, kBlockN, Is_causal, true> walk{bounds.data() + n * kNumBounds, n * kBlockN,
                                                                          sq, sk, sk - sq, m_end};
-            std::vector<int> u, d, pv;
+            std::vector<int> u, d, pv, cmp;
             for (int m = walk.visible_at_or_above(walk.begin()); m < m_end; m = walk.visible_at_or_above(m + 1))
                 u.push_back(m);
             for (int m = walk.visible_at_or_below(m_end - 1); m >= 0; m = walk.visible_at_or_below(m - 1))
                 d.push_back(m);
             for (int m : u) pv.push_back(walk.previous_visitor(m));  // every lane: it ballots
-            if (lane == 0) up[n] = u, down[n] = d, previous[n] = pv;
+            for (int m : u) cmp.push_back(int(walk.compare(m).intervals) | int(walk.compare(m).edges) << 1);
+            if (lane == 0) up[n] = u, down[n] = d, previous[n] = pv, compares[n] = cmp;
         }
     });
     for (int n = 0; n < n_blocks; ++n) {
@@ -58,6 +62,8 @@ void slice(const std::vector<int>& col, int sq, int sk, int c) {
         for (int m : down[n]) std::printf(" %d", m);
         std::printf(" ;");
         for (int v : previous[n]) std::printf(" %d", v);
+        std::printf(" ;");
+        for (int v : compares[n]) std::printf(" %d", v);
         std::printf("\n");
     }
 }
@@ -110,7 +116,7 @@ def tiles(driver):
 
 def walks(exe, mask: torch.Tensor, causal: bool, sq: int, d: int, block_n: int):
     """Per slice of mask ([B, Hm, Sk, C]) and key block of the head dim d tile: (blocks walked up,
-    walked down, previous visitor of each block walked up)."""
+    walked down, previous visitor and compare flags of each block walked up)."""
     b, hm, sk, _ = mask.shape
     lines = run_on_mask(exe, mask, sq, causal, d)
     rows = [[[int(x) for x in part.split()] for part in line.split(";")] for line in lines]
@@ -121,26 +127,23 @@ def walks(exe, mask: torch.Tensor, causal: bool, sq: int, d: int, block_n: int):
 
 def check_turns(exe, tiles, mask: torch.Tensor, causal: bool, sq: int, d: int):
     block_m, block_n = tiles[d]
-    sk = mask.shape[2]
-    m_end = -(-sq // block_m)
-    dense = to_dense(mask, causal, seqlen_q=sq, seqlen_k=sk)  # [B, Hm, Sq, Sk], True: attends
-    # Which (query block, key block) tiles hold a visible pair.
-    pad = torch.zeros(*dense.shape[:2], m_end * block_m, -(-sk // block_n) * block_n, dtype=torch.bool)
-    pad[..., :sq, :sk] = dense
-    seen = pad.unflatten(2, (m_end, block_m)).unflatten(4, (-1, block_n)).any(3).any(-1)  # [B, Hm, M, N]
+    want = tiles_of(mask, causal, sq, block_m, block_n)  # [slice, query block, 1, key block]
+    m_end = want.seen.shape[1]
     for s, blocks in enumerate(walks(exe, mask, causal, sq, d, block_n)):
-        sight = seen.flatten(0, 1)[s]
         last_visitor = {}
-        for n, (up, down, previous) in enumerate(blocks):
-            assert up == sorted(set(up)) and all(0 <= m < m_end for m in up), (s, n, up)
-            assert sorted(down) == up, f"slice {s}, key block {n}: walked up {up}, down {down}"
-            missed = sorted(set(torch.nonzero(sight[:, n]).flatten().tolist()) - set(up))
-            assert not missed, f"slice {s}, key block {n}: query blocks {missed} hold visible pairs, not walked"
-            for m, got in zip(up, previous):
-                want = last_visitor.get(m, -1)
-                assert got == want, (f"slice {s}, key block {n}, query block {m}: previous visitor {got}, "
-                                     f"but the last lower key block to visit it is {want}")
+        for n, (up, down, previous, compares) in enumerate(blocks):
+            at = f"slice {s}, key block {n}"
+            assert up == sorted(set(up)) and all(0 <= m < m_end for m in up), f"{at}: walked {up}"
+            assert sorted(down) == up, f"{at}: walked up {up}, down {down}"
+            missed = sorted(set(torch.nonzero(want.seen[s, :, 0, n]).flatten().tolist()) - set(up))
+            assert not missed, f"{at}: query blocks {missed} hold visible pairs, not walked"
+            for m, got, cmp in zip(up, previous, compares):
+                expect = last_visitor.get(m, -1)
+                assert got == expect, (f"{at}, query block {m}: previous visitor {got}, but the last lower key "
+                                       f"block to visit it is {expect}")
                 last_visitor[m] = n
+                assert cmp & 2 or not want.edges[s, m, 0, n], f"{at}, query block {m}: causal bound or end not compared"
+                assert cmp & 1 or not want.intervals[s, m, 0, n], f"{at}, query block {m}: masked pairs, no compare"
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)

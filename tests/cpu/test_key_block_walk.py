@@ -22,9 +22,9 @@ import torch
 
 import masks
 from masks.examples import example
-from masks.format import to_dense
 from tests.attn_helpers import random_startend
 from tests.cxx import build, run_on_mask
+from tests.tile_oracle import tiles_of
 
 # (kernel, head dim, value head dim): each takes its tile from csrc/sm80/tile_config.h or
 # csrc/sm90/tile_config.h ("sm80dq": the SM80 deterministic dQ kernel, which walks key blocks too).
@@ -216,35 +216,18 @@ def walks(exe, mask: torch.Tensor, causal: bool, sq: int, kernel, groups: int):
 
 def check_walks(exe, tiles, mask: torch.Tensor, causal: bool, sq: int, kernel):
     block_m, block_n, groups = tiles[kernel]
-    rows = block_m // groups  # a group's rows (SM90: 64 a consumer warpgroup; SM80: the whole tile)
-    b, hm, sk, _ = mask.shape
-    m_tiles, n_blocks = -(-sq // block_m), -(-sk // block_n)
-    dense = to_dense(mask, causal, seqlen_q=sq, seqlen_k=sk).reshape(b * hm, sq, sk)  # True: attends
-    r = torch.arange(m_tiles * block_m).view(-1, 1)
-    col = torch.arange(n_blocks * block_n).view(1, -1)
-    real_row = r < sq
-    in_keys = col < sk
-    causal_ok = (col <= r + sk - sq) if causal else torch.ones_like(in_keys)
-    # Pairs a compare must mask beyond the intervals: keys past the end, or above the causal bound.
-    edge = real_row & ~(in_keys & causal_ok)
-
-    def by_group_block(x):  # [rows, cols] -> [tile, group, block]: any pair in each
-        return x.reshape(m_tiles, groups, rows, n_blocks, block_n).any(4).any(2)
-
-    edges_needed = by_group_block(edge)
+    # A group's rows: 64 a consumer warpgroup (SM90), the whole tile (SM80).
+    want = tiles_of(mask, causal, sq, block_m, block_n, rows=block_m // groups)
+    m_tiles = want.seen.shape[1]
     walked = walks(exe, mask, causal, sq, kernel, groups)
-    assert len(walked) == b * hm * m_tiles
-    for s in range(b * hm):
-        pad = torch.zeros(m_tiles * block_m, n_blocks * block_n, dtype=torch.bool)
-        pad[:sq, :sk] = dense[s]
-        seen = by_group_block(pad)
-        intervals_needed = by_group_block(real_row & in_keys & causal_ok & ~pad)
+    assert len(walked) == want.seen.shape[0] * m_tiles
+    for s in range(want.seen.shape[0]):
         for m in range(m_tiles):
             blocks = walked[s * m_tiles + m]
             where = f"slice {s}, query tile {m}"
             visited = [n for n, _, _ in blocks]
             assert visited == sorted(set(visited), reverse=True), f"{where}: walked {visited}"
-            missed = sorted(set(torch.nonzero(seen[m].any(0)).flatten().tolist()) - set(visited))
+            missed = sorted(set(torch.nonzero(want.seen[s, m].any(0)).flatten().tolist()) - set(visited))
             assert not missed, f"{where}: key blocks {missed} hold visible pairs, not walked"
             for k, (n, last, per_group) in enumerate(blocks):
                 assert last == (k == len(blocks) - 1), f"{where}, block {n}: last {last}"
@@ -254,11 +237,11 @@ def check_walks(exe, tiles, mask: torch.Tensor, causal: bool, sq: int, kernel):
                         assert continues == blocks[k + 1][2][g][0], f"{at}: continues {continues}"
                     else:
                         assert not continues, f"{at}: continues past the last block"
-                    if seen[m, g, n]:
+                    if want.seen[s, m, g, n]:
                         assert sees, f"{at}: its rows see the block, told they do not"
                     if sees:
-                        assert edges or not edges_needed[m, g, n], f"{at}: causal bound or end of keys not compared"
-                        assert intervals or not intervals_needed[m, g, n], f"{at}: masked pairs, no interval compare"
+                        assert edges or not want.edges[s, m, g, n], f"{at}: causal bound or end of keys not compared"
+                        assert intervals or not want.intervals[s, m, g, n], f"{at}: masked pairs, no interval compare"
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k[0]}-{k[1]}x{k[2]}")

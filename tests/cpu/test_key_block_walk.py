@@ -31,9 +31,9 @@ from tests.tile_oracle import tiles_of
 KERNELS = [("sm90", 64, 64), ("sm90", 96, 96), ("sm90", 128, 128), ("sm90", 192, 128), ("sm90", 192, 192),
            ("sm90", 256, 256), ("sm80", 64, 64), ("sm80", 128, 128), ("sm80dq", 128, 128), ("sm80dq", 256, 256)]
 
-# stdin: slices sq sk c causal arch d dv, then each slice's [Sk, C] values. stdout: "tile G R", the
-# groups of R rows a query tile splits into, then per slice and query tile one line with each visited
-# block as "n last (sees intervals edges continues) x G". "tiles arch d dv": block_m block_n.
+# stdin: slices sq sk c causal arch d dv, then each slice's [Sk, C] values. stdout: per slice and
+# query tile one line, each visited block as "n last" and per row group "sees intervals edges
+# continues". Argument "tiles": each kernel's "arch d dv block_m block_n groups".
 DRIVER = r"""
 #include "host_device.h"
 #include "mask/block_walk.h"

@@ -36,6 +36,19 @@ def build(source: str, out_dir, name: str, *flags: str) -> Path:
     return exe
 
 
+def build_with_host_device(source: str, out_dir, name: str) -> Path:
+    """``build`` for a driver that includes host_device.h, whose lockstep warp needs C++20's
+    std::barrier and threads."""
+    return build(source, out_dir, name, "-std=c++20", "-pthread")
+
+
+def driver_lines(exe, *args) -> list[str]:
+    """The output lines of a driver run with ``args`` and no input (e.g. its table of tiles)."""
+    run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
 def check_compiles(source: str, out_dir, name: str) -> None:
     """``source`` compiled without code generation (C++17, csrc/ on the include path), so that its
     static_asserts hold; a failure fails the test with the compiler's message."""

@@ -13,15 +13,13 @@ compared (``QueryBlockWalk::compare``, what the backward producer's tickets carr
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 import masks
 from masks.examples import example
 from tests.attn_helpers import random_startend
-from tests.cxx import build, run_on_mask
+from tests.cxx import build_with_host_device, driver_lines, run_on_mask
 from tests.tile_oracle import tiles_of
 
 # The SM90 backward's head dims; each takes its tile (block_m, block_n) from csrc/sm90/tile_config.h.
@@ -104,14 +102,13 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    return build(DRIVER, tmp_path_factory.mktemp("dq_turns"), "driver", "-std=c++20", "-pthread")
+    return build_with_host_device(DRIVER, tmp_path_factory.mktemp("dq_turns"), "driver")
 
 
 @pytest.fixture(scope="module")
 def tiles(driver):
     """Head dim -> (block_m, block_n) of the SM90 backward, as the driver compiled them."""
-    run = subprocess.run([str(driver), "tiles"], capture_output=True, text=True, check=True)
-    return {d: (bm, bn) for d, bm, bn in ([int(x) for x in line.split()] for line in run.stdout.splitlines())}
+    return {d: (bm, bn) for d, bm, bn in ([int(x) for x in line.split()] for line in driver_lines(driver, "tiles"))}
 
 
 def walks(exe, mask: torch.Tensor, causal: bool, sq: int, d: int, block_n: int):

@@ -15,15 +15,13 @@ block) agrees with the blocks that follow.
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 import masks
 from masks.examples import example
 from tests.attn_helpers import random_startend
-from tests.cxx import build, run_on_mask
+from tests.cxx import build_with_host_device, driver_lines, run_on_mask
 from tests.tile_oracle import tiles_of
 
 # (kernel, head dim, value head dim): each takes its tile from csrc/sm80/tile_config.h or
@@ -187,15 +185,14 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    return build(DRIVER, tmp_path_factory.mktemp("key_block_walk"), "driver", "-std=c++20", "-pthread")
+    return build_with_host_device(DRIVER, tmp_path_factory.mktemp("key_block_walk"), "driver")
 
 
 @pytest.fixture(scope="module")
 def tiles(driver):
     """(arch, d, dv) -> (block_m, block_n, groups) of the forward, as the driver compiled them."""
-    run = subprocess.run([str(driver), "tiles"], capture_output=True, text=True, check=True)
     out = {}
-    for line in run.stdout.splitlines():
+    for line in driver_lines(driver, "tiles"):
         arch, *nums = line.split()
         d, dv, bm, bn, groups = map(int, nums)
         out[(arch, d, dv)] = (bm, bn, groups)

@@ -3,9 +3,9 @@
 // P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q; dS also goes to
 // shared memory for dQ = dS K, which the warpgroups split by head dim and hand to the dQ warps in
 // turn (bwd_dq_warps.h). Above head dim 128 (Traits::kSplitHeadDim) the warpgroups share 64 keys:
-// each computes S^T and dP^T for half the queries and dK and dV for half the head dim, with P^T and
-// dS^T from shared memory. The element mask (mask/element_mask.h) runs only where a block's ticket
-// says the tile needs a compare.
+// one computes S^T and P^T, the other dP^T and dS^T (scores_by_role), and each dK and dV for half the
+// head dim, with P^T and dS^T from shared memory. The element mask (mask/element_mask.h) runs only
+// where a block's ticket says the tile needs a compare.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -69,14 +69,12 @@ struct BwdMainloop {
         Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
         Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
         Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{});
-        Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutDSt{});
         // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
         // rows (an element-wise copy takes a generic 16-bit store, a byte permute and 64-bit address
         // arithmetic per element).
         auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
         auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
         Tensor tDSsdSt = thr_r2s_ds.partition_D(sdSt);
-        Tensor tDSsPt = thr_r2s_ds.partition_D(sPt);
         Tensor tSrK = thr_sdp.partition_fragment_A(sK);
         Tensor tSrV = thr_sdp.partition_fragment_A(sV);
         Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
@@ -114,81 +112,65 @@ struct BwdMainloop {
             const int r0 = ticket.block() * kBlockM;
             const TileCompare compare = ticket.compare();
             more = !ticket.last();
-            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
-            wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
             // The block's LSE * log2(e) (+inf past the last query: P = 0 there) and D (0 there).
             const float* lse_rows = shared.row_stats[state.index()][0];
             const float* d_rows = shared.row_stats[state.index()][1];
-            warpgroup_wait<1>();  // S^T is in; dP^T may still run
+            if constexpr (Traits::kSplitHeadDim) {
+                scores_by_role(p, r0, c0, compare, lse_rows, d_rows, acc_dk, acc_dv);
+            } else {
+                wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrK, tSrQ(_, _, _, state.index()), acc_s);
+                wgmma_gemm</*zero_init=*/true>(mma_sdp, tSrV, tSrdO(_, _, _, state.index()), acc_dp);
+                warpgroup_wait<1>();  // S^T is in; dP^T may still run
 
-            // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs
-            // while dP^T lands and dS^T is computed.
-            if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
-            Tensor st = rowcol(acc_s);
-            if (compare.any) {
-                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, p.sk - p.sq,
-                                                                  shared.mask_cols);
-            }
-            Tensor rP = make_tensor<Element>(acc_s.layout());
-            Tensor rp = rowcol(rP);
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(st); ++ni) {
-                const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
+                // P^T = exp(S^T scale - LSE), queries as columns; with kEarlyDv, dV += P^T dO runs
+                // while dP^T lands and dS^T is computed.
+                if constexpr (kSoftcap) softcap_scores(acc_s, p.softcap_scale);
+                Tensor st = rowcol(acc_s);
+                if (compare.any) {
+                    mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST_rc, compare, r0, c0, p.sk, p.sk - p.sq,
+                                                                      shared.mask_cols);
+                }
+                Tensor rP = make_tensor<Element>(acc_s.layout());
+                Tensor rp = rowcol(rP);
                 CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(st); ++mi) {
-                    const float pr = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
-                    if constexpr (kSoftcap) {
-                        // P for dV, and P times the cap's slope 1 - t^2 for dS while t is at hand (a
-                        // masked t is -inf: clamped to the slope's zero).
-                        rp(mi, ni) = static_cast<Element>(pr);
-                        const float t = fmaxf(st(mi, ni), -1.f);
-                        st(mi, ni) = pr * (1.f - t * t);
-                    } else {
-                        st(mi, ni) = pr;
+                for (int ni = 0; ni < size<1>(st); ++ni) {
+                    const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
+                    CUTE_UNROLL
+                    for (int mi = 0; mi < size<0>(st); ++mi) {
+                        const float pr = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+                        if constexpr (kSoftcap) {
+                            // P for dV, and P times the cap's slope 1 - t^2 for dS while t is at hand (a
+                            // masked t is -inf: clamped to the slope's zero).
+                            rp(mi, ni) = static_cast<Element>(pr);
+                            const float t = fmaxf(st(mi, ni), -1.f);
+                            st(mi, ni) = pr * (1.f - t * t);
+                        } else {
+                            st(mi, ni) = pr;
+                        }
                     }
                 }
-            }
-            auto issue_dv = [&]() {
-                if constexpr (!kSoftcap) {
-                    Tensor converted = convert_to<Element>(acc_s);
-                    CUTE_UNROLL
-                    for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
-                }
-                if constexpr (Traits::kSplitHeadDim) {
-                    // P^T into shared memory once both warpgroups are done reading the last block's
-                    // P^T and dS (each waited for its GEMMs), then read whole by both.
-                    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                    copy(r2s_ds, thr_r2s_ds.retile_S(rP), tDSsPt);
-                    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
-                    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                    wgmma_gemm</*zero_init=*/false>(mma_v, thr_v.partition_fragment_A(sPt),
-                                                    tKVrdOt(_, _, _, state.index()), acc_dv);
-                } else {
+                auto issue_dv = [&]() {
+                    if constexpr (!kSoftcap) {
+                        Tensor converted = convert_to<Element>(acc_s);
+                        CUTE_UNROLL
+                        for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);
+                    }
                     wgmma_gemm</*zero_init=*/false>(mma_v, make_tensor(rP.data(), acc_as_a_layout(rP.layout())),
                                                     tKVrdOt(_, _, _, state.index()), acc_dv);
-                }
-            };
-            if constexpr (Traits::kEarlyDv) issue_dv();
-            warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
+                };
+                if constexpr (Traits::kEarlyDv) issue_dv();
+                warpgroup_wait<Traits::kEarlyDv ? 1 : 0>();  // dP^T is in (an early dV may still run)
 
-            // dS^T = P^T (dP^T - D) (with the cap, st holds P^T times its slope); dK += dS^T Q.
-            Tensor dpt = rowcol(acc_dp);
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(dpt); ++ni) {
-                const float d = d_rows[get<1>(cST_rc(0, ni))];
+                // dS^T = P^T (dP^T - D) (with the cap, st holds P^T times its slope); dK += dS^T Q.
+                Tensor dpt = rowcol(acc_dp);
                 CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
-            }
-            if constexpr (!Traits::kEarlyDv) issue_dv();
-            Tensor rdS = convert_to<Element>(acc_dp);
-            if constexpr (Traits::kSplitHeadDim) {
-                // dS^T next to P^T (the barrier above ordered it after the last block's reads).
-                copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tDSsdSt);
-                cutlass::arch::fence_view_async_shared();
-                cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
-                wgmma_gemm</*zero_init=*/false>(mma_k, thr_k.partition_fragment_A(sdSt), tKVrQt(_, _, _, state.index()),
-                                                acc_dk);
-            } else {
+                for (int ni = 0; ni < size<1>(dpt); ++ni) {
+                    const float d = d_rows[get<1>(cST_rc(0, ni))];
+                    CUTE_UNROLL
+                    for (int mi = 0; mi < size<0>(dpt); ++mi) dpt(mi, ni) = st(mi, ni) * (dpt(mi, ni) - d);
+                }
+                if constexpr (!Traits::kEarlyDv) issue_dv();
+                Tensor rdS = convert_to<Element>(acc_dp);
                 wgmma_gemm</*zero_init=*/false>(mma_k, make_tensor(rdS.data(), acc_as_a_layout(rdS.layout())),
                                                 tKVrQt(_, _, _, state.index()), acc_dk);
                 // dS into shared memory once both warpgroups are done reading the last block's.
@@ -220,6 +202,96 @@ struct BwdMainloop {
         }
         // Every GEMM of this job is done: the producer may load the next job's K and V.
         shared.kv_free.arrive();
+    }
+
+    // Split head dim, one block: warpgroup 0 computes S^T = K Q^T for all its queries and leaves P^T in
+    // shared memory; warpgroup 1 computes dP^T = V dO^T, then dS^T = P^T (dP^T - D) from that P^T.
+    // One n64 GEMM each, K and V read once, where splitting the queries instead would take two n32
+    // GEMMs a warpgroup and read K and V twice. Then both issue dV and dK for their half of the head dim.
+    __forceinline__ __device__ void scores_by_role(const BwdParams& p, int r0, int c0, const TileCompare& compare,
+                                                   const float* lse_rows, const float* d_rows, AccK& acc_dk,
+                                                   AccV& acc_dv) {
+        typename Traits::TiledMmaRole mma_role;
+        typename Traits::TiledMmaK mma_k;
+        typename Traits::TiledMmaV mma_v;
+        const int wtid = ctid % 128;
+        const bool scores = __shfl_sync(0xffffffffu, ctid / 128, 0) == 0;  // warp-uniform for ptxas
+        auto thr_role = mma_role.get_thread_slice(wtid);
+        auto thr_k = mma_k.get_thread_slice(ctid);
+        auto thr_v = mma_v.get_thread_slice(ctid);
+        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDO{});
+        Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
+        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDOt{});
+        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
+        Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{});
+        Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutDSt{});
+        Tensor tKVrQt = thr_k.partition_fragment_B(sQt);
+        Tensor tKVrdOt = thr_v.partition_fragment_B(sdOt);
+        auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_role);
+        auto thr_r2s = r2s.get_thread_slice(wtid);
+        Tensor acc = partition_fragment_C(mma_role, typename Traits::TileST{});
+        Tensor st = rowcol(acc);
+        Tensor cST = rowcol(thr_role.partition_C(make_identity_tensor(typename Traits::TileST{})));
+        const int stage = state.index();
+        if (scores) {
+            wgmma_gemm</*zero_init=*/true>(mma_role, thr_role.partition_fragment_A(sK),
+                                           thr_role.partition_fragment_B(sQ)(_, _, _, stage), acc);
+        } else {
+            wgmma_gemm</*zero_init=*/true>(mma_role, thr_role.partition_fragment_A(sV),
+                                           thr_role.partition_fragment_B(sdO)(_, _, _, stage), acc);
+        }
+        warpgroup_wait<0>();
+        Tensor rP = make_tensor<Element>(acc.layout());
+        if (scores) {
+            if constexpr (kSoftcap) softcap_scores(acc, p.softcap_scale);
+            if (compare.any) {
+                mask_scores<Is_causal, kMaskC, /*kKeyRows=*/true>(st, cST, compare, r0, c0, p.sk, p.sk - p.sq,
+                                                                  shared.mask_cols);
+            }
+            Tensor rp = rowcol(rP);
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(st); ++ni) {
+                const float lse_log2 = lse_rows[get<1>(cST(0, ni))];
+                CUTE_UNROLL
+                for (int mi = 0; mi < size<0>(st); ++mi) {
+                    const float pr = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
+                    rp(mi, ni) = static_cast<Element>(pr);
+                    if constexpr (kSoftcap) {
+                        const float t = fmaxf(st(mi, ni), -1.f);  // a masked t is -inf
+                        st(mi, ni) = pr * (1.f - t * t);          // P times the cap's slope, for dS
+                    }
+                }
+            }
+        }
+        // Both warpgroups are done with the last block's P^T and dS^T (each waited for its GEMMs).
+        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);
+        if (scores) {
+            copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sPt));
+            // With the cap dS takes P times its slope: handed over where dS^T goes next.
+            if constexpr (kSoftcap) copy(r2s, thr_r2s.retile_S(convert_to<Element>(acc)), thr_r2s.partition_D(sdSt));
+            cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma next
+        }
+        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);  // P^T is in
+        wgmma_gemm</*zero_init=*/false>(mma_v, thr_v.partition_fragment_A(sPt), tKVrdOt(_, _, _, stage), acc_dv);
+        if (!scores) {
+            // P^T (times the slope) back in this thread's accumulator layout, by ldmatrix.trans.
+            auto s2r = make_tiled_copy_C(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma_role);
+            auto thr_s2r = s2r.get_thread_slice(wtid);
+            copy(s2r, thr_s2r.partition_S(kSoftcap ? sdSt : sPt), thr_s2r.retile_D(rP));
+            Tensor rp = rowcol(rP);
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<1>(st); ++ni) {
+                const float d = d_rows[get<1>(cST(0, ni))];
+                CUTE_UNROLL
+                for (int mi = 0; mi < size<0>(st); ++mi) st(mi, ni) = float(rp(mi, ni)) * (st(mi, ni) - d);
+            }
+            copy(r2s, thr_r2s.retile_S(convert_to<Element>(acc)), thr_r2s.partition_D(sdSt));
+            cutlass::arch::fence_view_async_shared();
+        }
+        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);  // dS^T is in
+        wgmma_gemm</*zero_init=*/false>(mma_k, thr_k.partition_fragment_A(sdSt), tKVrQt(_, _, _, stage), acc_dk);
     }
 };
 

@@ -46,8 +46,9 @@ struct BwdTraits {
 
     // Key-stationary: S^T = K Q^T and dP^T = V dO^T have the keys as rows. Each consumer warpgroup
     // owns 64 keys, whose P^T and dS^T stay in registers as the A operands of dV += P^T dO and
-    // dK += dS^T Q; or (kSplitHeadDim) the warpgroups split the queries of S^T and dP^T and the head
-    // dim of dK and dV, P^T and dS^T passing through shared memory. dQ = dS K reads dS from shared
+    // dK += dS^T Q; or (kSplitHeadDim) one warpgroup computes S^T and the other dP^T (TiledMmaRole)
+    // and they split the head dim of dK and dV, P^T and dS^T passing through shared memory (TiledMmaSdP
+    // then goes unused). dQ = dS K reads dS from shared
     // memory; there the warpgroups split the head dim, kDqSlices slices one after the other.
     using AtomKeys = cute::Layout<
         cute::Shape<cute::Int<kConsumerWarpgroups / kGroupsPerKeyTile>, cute::Int<kGroupsPerKeyTile>, cute::_1>>;
@@ -57,6 +58,10 @@ struct BwdTraits {
             Element, Element, float,
             cute::Shape<cute::Int<64>, cute::Int<kBlockM / kGroupsPerKeyTile>, cute::Int<kHeadDim>>>(),
         AtomKeys{}));
+    // Split head dim: S^T (warpgroup 0) or dP^T (warpgroup 1) of the whole block by one warpgroup.
+    using TiledMmaRole = decltype(cute::make_tiled_mma(
+        cute::GMMA::ss_op_selector<Element, Element, float,
+                                   cute::Shape<cute::Int<64>, cute::Int<kBlockM>, cute::Int<kHeadDim>>>()));
     // dK += dS^T Q (kDim: the head dim) and dV += P^T dO (the value head dim).
     template <int kDim,
               typename Shape = cute::Shape<cute::Int<64>, cute::Int<kDim / kGroupsPerKeyTile>, cute::Int<kBlockM>>>

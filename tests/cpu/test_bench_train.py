@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import bench_train, cuda_memory
+from benchmarks import bench_train, cuda_memory, train_data, train_masks
 from benchmarks.dense_masks import dense_fit, dense_mask
 from flashmask.data import MASK_KEY
 from masks.format import to_dense
@@ -22,8 +22,8 @@ def _args(tmp_path, *extra):
 
 
 def test_synthetic_batches_fill_rows_with_packed_documents():
-    batches = bench_train.synthetic_batches(3, 2, 300, 50, (10, 120), seed=1)
-    again = bench_train.synthetic_batches(3, 2, 300, 50, (10, 120), seed=1)
+    batches = train_data.synthetic_batches(3, 2, 300, 50, (10, 120), seed=1)
+    again = train_data.synthetic_batches(3, 2, 300, 50, (10, 120), seed=1)
     assert len(batches) == 3
     for b, b2 in zip(batches, again):
         assert all(torch.equal(b[k], b2[k]) for k in b)  # the same data for every method
@@ -39,14 +39,14 @@ def test_synthetic_batches_fill_rows_with_packed_documents():
             assert int(lens.sum()) == 300 and (lens[:-1] >= 10).all() and (lens <= 120).all()
             same = (doc[r][:, None] == doc[r][None, :]) & torch.ones(300, 300, dtype=torch.bool).tril()
             assert torch.equal(to_dense(b[MASK_KEY][r:r + 1], True)[0, 0], same)
-    stats = bench_train.data_stats(batches)
+    stats = train_data.data_stats(batches)
     assert stats["docs_per_row"] >= 3 and 0 < stats["density"] < 0.5
 
 
 def test_chunked_loss_equals_transformers_loss():
     model = build_model("llama", "tiny", attn_implementation="sdpa", max_length=64, vocab_size=320,
                         dtype=torch.float32, device="cpu")
-    b = bench_train.synthetic_batches(1, 2, 64, 320, (5, 30), seed=0)[0]
+    b = train_data.synthetic_batches(1, 2, 64, 320, (5, 30), seed=0)[0]
     inputs = dict(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
     full = model(labels=b["labels"], **inputs).loss
     hidden = model.get_decoder()(**inputs).last_hidden_state
@@ -58,7 +58,7 @@ def test_chunked_loss_equals_transformers_loss():
 
 
 def test_dense_mask_additive_matches_bool():
-    b = bench_train.synthetic_batches(1, 2, 40, 10, (3, 9), seed=2)[0]
+    b = train_data.synthetic_batches(1, 2, 40, 10, (3, 9), seed=2)[0]
     dense = dense_mask(b[MASK_KEY], True, 40)
     add = dense_mask(b[MASK_KEY], True, 40, chunk_bytes=50, dtype=torch.bfloat16)
     assert add.dtype == torch.bfloat16 and torch.equal(add == 0, dense)
@@ -199,8 +199,8 @@ def test_hf_packed_block_mask_matches_the_library_mask(tmp_path):
     args = _args(tmp_path, "--flex-mask", "position_ids")
     model = build_model("llama", "tiny", attn_implementation="flex_attention", max_length=256,
                         vocab_size=512, dtype=torch.float32, device="cpu")
-    b = bench_train.synthetic_batches(1, 1, 256, 512, (16, 100), seed=3)[0]
-    bench_train.check_hf_packed_block_mask(model, args, b, torch.device("cpu"), torch.float32)  # no raise
+    b = train_data.synthetic_batches(1, 1, 256, 512, (16, 100), seed=3)[0]
+    train_masks.check_hf_packed_block_mask(model, args, b, torch.device("cpu"), torch.float32)  # no raise
     b["position_ids"] = torch.arange(256)[None]  # one document: a different mask
     with pytest.raises(RuntimeError, match="differs"):
-        bench_train.check_hf_packed_block_mask(model, args, b, torch.device("cpu"), torch.float32)
+        train_masks.check_hf_packed_block_mask(model, args, b, torch.device("cpu"), torch.float32)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashmask.integrations.transformers  # noqa: F401  (registers the fm_colmask backend)
-from benchmarks import bench_train
+from benchmarks import bench_train, train_data, train_masks
 from flashmask.data import MASK_KEY
 from masks.format import to_dense
 from training_examples.models import build_model
@@ -47,13 +47,13 @@ def test_presets_have_the_published_attention_shapes():
     assert (c.q_lora_rank, c.kv_lora_rank, c.num_attention_heads) == (1536, 512, 16)
     assert bench_train.attention_dims(c) == (16, 16, 192, 128)
     assert all(type(layer.mlp).__name__ == "DeepseekV3MLP" for layer in d.model.layers)  # no mixture of experts
-    assert bench_train.layer_windows(c) is None
+    assert train_masks.layer_windows(c) is None
 
 
 def test_layers_and_window_options_of_the_presets():
     g = _tiny("gemma3", "sdpa_dense", sliding_window=5, layers=5)
     assert g.config.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
-    assert bench_train.layer_windows(g.config) == {"sliding_attention": 5, "full_attention": None}
+    assert train_masks.layer_windows(g.config) == {"sliding_attention": 5, "full_attention": None}
     assert len(_tiny("deepseek_v3", "sdpa_dense", layers=3).model.layers) == 3
     for bad, match in (({"sliding_window": 4}, "sliding_window"), ({"num_layers": 0}, "num_layers")):
         with pytest.raises(ValueError, match=match):
@@ -80,16 +80,16 @@ def test_cli_defaults_and_rejects_per_arch():
 # ------------------------------------------------------------------------------------------------ masks
 
 def test_layer_startends_are_document_causal_with_the_window():
-    b = bench_train.synthetic_batches(1, 2, 96, 50, (10, 40), seed=4)[0]
+    b = train_data.synthetic_batches(1, 2, 96, 50, (10, 40), seed=4)[0]
     startend, pos = b[MASK_KEY], b["position_ids"]
-    got = bench_train.layer_startends(startend, {"sliding_attention": 7, "full_attention": None})
+    got = train_masks.layer_startends(startend, {"sliding_attention": 7, "full_attention": None})
     assert got["full_attention"] is startend
-    assert torch.equal(to_dense(got["sliding_attention"], True)[:, 0], bench_train.expected_mask(pos, 7))
-    assert torch.equal(to_dense(startend, True)[:, 0], bench_train.expected_mask(pos, None))
-    assert not torch.equal(bench_train.expected_mask(pos, 7), bench_train.expected_mask(pos, None))
-    assert bench_train.layer_startends(startend, None) == {None: startend}
+    assert torch.equal(to_dense(got["sliding_attention"], True)[:, 0], train_masks.expected_mask(pos, 7))
+    assert torch.equal(to_dense(startend, True)[:, 0], train_masks.expected_mask(pos, None))
+    assert not torch.equal(train_masks.expected_mask(pos, 7), train_masks.expected_mask(pos, None))
+    assert train_masks.layer_startends(startend, None) == {None: startend}
     # a window as long as the row changes nothing
-    assert bench_train.layer_startends(startend, {"sliding_attention": 96})["sliding_attention"] is startend
+    assert train_masks.layer_startends(startend, {"sliding_attention": 96})["sliding_attention"] is startend
 
 
 @pytest.mark.parametrize("method, flex_mask", [  # transformers compiles its block-mask builder: slow on the CPU
@@ -101,23 +101,23 @@ def test_method_masks_pass_the_check_and_a_missing_window_fails_it(arch, method,
     extra = ["--sliding-window", "8"] if arch == "gemma3" else []
     args = _args(tmp_path, "--arch", arch, "--flex-mask", flex_mask, *extra)
     model = _tiny(arch, method, sliding_window=8 if arch == "gemma3" else None)
-    note = bench_train.check_layer_masks(method, model, args, 128, CPU, torch.float32)
+    note = train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
     assert note == "masks checked on a 128-token row" + (" per layer type" if arch == "gemma3" else "")
     if flex_mask == "position_ids":
-        b = bench_train.synthetic_batches(1, 1, 128, 512, (20, 60), seed=5)[0]
-        bench_train.check_hf_packed_block_mask(model, args, b, CPU, torch.float32)  # no raise
+        b = train_data.synthetic_batches(1, 1, 128, 512, (20, 60), seed=5)[0]
+        train_masks.check_hf_packed_block_mask(model, args, b, CPU, torch.float32)  # no raise
     if arch != "gemma3":
         return
     if flex_mask == "position_ids":  # transformers' masks, had it no window on the sliding layers
         from transformers import masking_utils
         monkeypatch.setattr(masking_utils, "create_sliding_window_causal_mask", masking_utils.create_causal_mask)
         with pytest.raises(RuntimeError, match="sliding_attention layers' mask differs"):
-            bench_train.check_layer_masks(method, model, args, 128, CPU, torch.float32)
+            train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
         return
     # our masks without the window on the sliding layers
-    monkeypatch.setattr(bench_train, "layer_startends", lambda se, windows: {t: se for t in windows})
+    monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows: {t: se for t in windows})
     with pytest.raises(RuntimeError, match="sliding_attention layers' mask differs .* with the sliding window"):
-        bench_train.check_layer_masks(method, model, args, 128, CPU, torch.float32)
+        train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------ logits
@@ -126,7 +126,7 @@ def _packed_logits_vs_documents(arch, methods, sliding_window=None):
     """Logits of one packed row (documents longer than the window) under each method, each
     document's slice against the document run alone with sdpa (transformers' own masks)."""
     args = argparse.Namespace(dense_mask="additive", flex_mask="block_mask", flex_block_mask="eager")
-    b = bench_train.synthetic_batches(1, 1, 128, 512, (20, 60), seed=6)[0]
+    b = train_data.synthetic_batches(1, 1, 128, 512, (20, 60), seed=6)[0]
     pos = b["position_ids"][0]
     starts = (pos == 0).nonzero().flatten().tolist() + [128]
     alone = _tiny(arch, "sdpa_dense", sliding_window)
@@ -136,7 +136,7 @@ def _packed_logits_vs_documents(arch, methods, sliding_window=None):
     got = {}
     for method in methods:
         model = _tiny(arch, method, sliding_window)
-        kw = bench_train.mask_inputs(method, args, b, CPU, torch.float32, bench_train.layer_windows(model.config))
+        kw = train_masks.mask_inputs(method, args, b, CPU, torch.float32, train_masks.layer_windows(model.config))
         with torch.no_grad():
             logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False, **kw).logits
         for (s, e), w in zip(zip(starts[:-1], starts[1:]), want):
@@ -150,7 +150,7 @@ def test_flashmask_and_dense_sdpa_logits_equal_documents_alone(arch):
     got, b = _packed_logits_vs_documents(arch, ["flashmask", "sdpa_dense"], 8 if arch == "gemma3" else None)
     if arch == "gemma3":  # the window matters here: without it the logits differ
         model = _tiny(arch, "sdpa_dense", 8)
-        no_window = bench_train.mask_inputs("sdpa_dense", argparse.Namespace(dense_mask="additive"), b, CPU,
+        no_window = train_masks.mask_inputs("sdpa_dense", argparse.Namespace(dense_mask="additive"), b, CPU,
                                             torch.float32, None)
         with torch.no_grad():
             wrong = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False,

@@ -11,7 +11,7 @@ import torch
 
 import flashmask
 import flashmask.integrations.transformers  # noqa: F401  (registers the fm_colmask backend)
-from benchmarks import bench_train, cuda_memory
+from benchmarks import bench_train, cuda_memory, train_data, train_masks
 from flashmask import _checks
 from training_examples.models import build_model
 
@@ -57,7 +57,7 @@ def test_presets_have_the_published_attention_shapes():
     assert bench_train.attention_dims(c) == (8, 4, 256, 256) and c.query_pre_attn_scalar == 256
     assert (c.attn_logit_softcapping, c.final_logit_softcapping, c.sliding_window) == (50.0, 30.0, 4096)
     assert c.layer_types == ["sliding_attention", "full_attention"] * 4
-    assert bench_train.layer_windows(c) == {"sliding_attention": 4096, "full_attention": None}
+    assert train_masks.layer_windows(c) == {"sliding_attention": 4096, "full_attention": None}
     c = o.config
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (2880, 2880, 8)
     assert bench_train.attention_dims(c) == (64, 8, 64, 64) and c.sliding_window == 128
@@ -117,16 +117,16 @@ def test_method_masks_pass_the_check(arch, method, tmp_path, monkeypatch):
         pytest.importorskip("torch.nn.attention.flex_attention")
     args = _args(tmp_path, "--arch", arch, "--sliding-window", "8", "--dense-mask", "bool")
     model = _tiny(arch, method)
-    assert bench_train.check_layer_masks(method, model, args, 128, CPU, torch.float32) == \
+    assert train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32) == \
         "masks checked on a 128-token row per layer type"
     if method == "eager_dense":  # eager attention adds its mask to the scores: additive whatever --dense-mask says
-        b = bench_train.synthetic_batches(1, 1, 128, 512, (20, 60), seed=5)[0]
-        masks = bench_train.mask_inputs(method, args, b, CPU, torch.float32, bench_train.layer_windows(model.config))
+        b = train_data.synthetic_batches(1, 1, 128, 512, (20, 60), seed=5)[0]
+        masks = train_masks.mask_inputs(method, args, b, CPU, torch.float32, train_masks.layer_windows(model.config))
         assert {m.dtype for m in masks["attention_mask"].values()} == {torch.float32}
     # without the window on the sliding layers the check fails
-    monkeypatch.setattr(bench_train, "layer_startends", lambda se, windows: {t: se for t in windows})
+    monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows: {t: se for t in windows})
     with pytest.raises(RuntimeError, match="sliding_attention layers' mask differs .* with the sliding window"):
-        bench_train.check_layer_masks(method, model, args, 128, CPU, torch.float32)
+        train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
 
 
 def test_eager_fit_counts_the_masks_and_one_layers_attention_weights(tmp_path, monkeypatch):
@@ -146,7 +146,7 @@ def test_chunked_loss_applies_the_final_softcap():
                         dtype=torch.float32, device="cpu")
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(300.0)  # logits of tens of units: the cap at 30 bends them
-    b = bench_train.synthetic_batches(1, 2, 64, 320, (5, 30), seed=0)[0]
+    b = train_data.synthetic_batches(1, 2, 64, 320, (5, 30), seed=0)[0]
     inputs = dict(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
     full = model(labels=b["labels"], **inputs).loss
     hidden = model.get_decoder()(**inputs).last_hidden_state
@@ -166,7 +166,7 @@ def test_flashmask_and_eager_logits_equal_documents_alone(arch):
     dense masks: each document's logits equal the document run alone (eager, transformers' masks);
     and without the option (no cap, sinks that take nothing) they differ: the comparison sees it."""
     args = argparse.Namespace(dense_mask="additive")
-    b = bench_train.synthetic_batches(1, 1, 128, 512, (20, 60), seed=6)[0]
+    b = train_data.synthetic_batches(1, 1, 128, 512, (20, 60), seed=6)[0]
     starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist() + [128]
     spans = list(zip(starts[:-1], starts[1:]))
     alone = _sharpen(_tiny(arch, "eager_dense"))
@@ -174,7 +174,7 @@ def test_flashmask_and_eager_logits_equal_documents_alone(arch):
         want = [alone(input_ids=b["input_ids"][:, s:e], use_cache=False).logits[0] for s, e in spans]
     for method in ("flashmask", "eager_dense"):
         model = _sharpen(_tiny(arch, method))
-        kw = bench_train.mask_inputs(method, args, b, CPU, torch.float32, bench_train.layer_windows(model.config))
+        kw = train_masks.mask_inputs(method, args, b, CPU, torch.float32, train_masks.layer_windows(model.config))
         with torch.no_grad():
             logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False, **kw).logits
         for (s, e), w in zip(spans, want):
@@ -184,7 +184,7 @@ def test_flashmask_and_eager_logits_equal_documents_alone(arch):
         with torch.no_grad():
             for layer in off.model.layers:
                 layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: no sink
-    kw = bench_train.mask_inputs("flashmask", args, b, CPU, torch.float32, None)
+    kw = train_masks.mask_inputs("flashmask", args, b, CPU, torch.float32, None)
     with torch.no_grad():
         wrong = off(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False, **kw).logits
     assert (wrong[0, :starts[1]] - want[0]).abs().max() > 1e-2
@@ -196,12 +196,12 @@ def test_flex_logits_with_softcap_equal_documents_alone():
     and its soft-capping score_mod. (Its sinks need the LSE, which it does not return on the CPU.)"""
     pytest.importorskip("torch.nn.attention.flex_attention")
     args = argparse.Namespace(dense_mask="additive", flex_mask="block_mask", flex_block_mask="eager")
-    b = bench_train.synthetic_batches(1, 1, 128, 512, (20, 60), seed=6)[0]
+    b = train_data.synthetic_batches(1, 1, 128, 512, (20, 60), seed=6)[0]
     windows = {"sliding_attention": 8, "full_attention": None}
     with torch.no_grad():
         outs = [_sharpen(_tiny("gemma2", m))(input_ids=b["input_ids"], position_ids=b["position_ids"],
                                              use_cache=False,
-                                             **bench_train.mask_inputs(m, args, b, CPU, torch.float32, windows)).logits
+                                             **train_masks.mask_inputs(m, args, b, CPU, torch.float32, windows)).logits
                 for m in ("eager_dense", "flex")]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 

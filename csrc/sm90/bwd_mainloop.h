@@ -49,6 +49,22 @@ struct BwdMainloop {
     __forceinline__ __device__ BwdMainloop(SharedStorage& shared_, Pipeline& q, int ctid_)
         : shared(shared_), pipeline_q(q), ctid(ctid_) {}
 
+    // The shared-memory tiles, in the layouts the GEMMs read them (t: transposed).
+    template <typename Layout, typename Buffer>
+    static __forceinline__ __device__ auto view(Buffer& buffer) {
+        return make_tensor(make_smem_ptr(buffer.data()), Layout{});
+    }
+    __forceinline__ __device__ auto s_q() { return view<typename Traits::SmemLayoutQ>(shared.q); }
+    __forceinline__ __device__ auto s_qt() { return view<typename Traits::SmemLayoutQt>(shared.q); }
+    __forceinline__ __device__ auto s_do() { return view<typename Traits::SmemLayoutDO>(shared.dout); }
+    __forceinline__ __device__ auto s_dot() { return view<typename Traits::SmemLayoutDOt>(shared.dout); }
+    __forceinline__ __device__ auto s_k() { return view<typename Traits::SmemLayoutK>(shared.k); }
+    __forceinline__ __device__ auto s_kt() { return view<typename Traits::SmemLayoutKt>(shared.k); }
+    __forceinline__ __device__ auto s_v() { return view<typename Traits::SmemLayoutV>(shared.v); }
+    __forceinline__ __device__ auto s_ds() { return view<typename Traits::SmemLayoutDS>(shared.ds); }
+    __forceinline__ __device__ auto s_dst() { return view<typename Traits::SmemLayoutDSt>(shared.ds); }
+    __forceinline__ __device__ auto s_pt() { return view<typename Traits::SmemLayoutDSt>(shared.p); }  // split only
+
     // Every query block that sees the job's keys: accumulates dK (unscaled) and dV of this query
     // head's slice and hands each block's dQ tile to the dQ warps.
     __forceinline__ __device__ void run(const BwdParams& p, const Job& job, AccK& acc_dk, AccV& acc_dv) {
@@ -60,28 +76,19 @@ struct BwdMainloop {
         auto thr_k = mma_k.get_thread_slice(ctid);
         auto thr_v = mma_v.get_thread_slice(ctid);
         auto thr_q = mma_q.get_thread_slice(ctid);
-        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDO{});
-        Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
-        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDOt{});
-        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
-        Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutKt{});
-        Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDS{});
-        Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{});
         // dS^T leaves the registers by stmatrix.trans, 8x8 blocks transposed into dS's key-contiguous
         // rows (an element-wise copy takes a generic 16-bit store, a byte permute and 64-bit address
         // arithmetic per element).
         auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
         auto thr_r2s_ds = r2s_ds.get_thread_slice(ctid);
-        Tensor tDSsdSt = thr_r2s_ds.partition_D(sdSt);
-        Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-        Tensor tKVrQt = thr_k.partition_fragment_B(sQt);
-        Tensor tKVrdOt = thr_v.partition_fragment_B(sdOt);
-        Tensor tQrdS = thr_q.partition_fragment_A(sdS);
+        Tensor tDSsdSt = thr_r2s_ds.partition_D(s_dst());
+        Tensor tSrK = thr_sdp.partition_fragment_A(s_k());
+        Tensor tSrV = thr_sdp.partition_fragment_A(s_v());
+        Tensor tSrQ = thr_sdp.partition_fragment_B(s_q());
+        Tensor tSrdO = thr_sdp.partition_fragment_B(s_do());
+        Tensor tKVrQt = thr_k.partition_fragment_B(s_qt());
+        Tensor tKVrdOt = thr_v.partition_fragment_B(s_dot());
+        Tensor tQrdS = thr_q.partition_fragment_A(s_ds());
         // (key, query) of each score this thread holds.
         Tensor cST_rc = rowcol(thr_sdp.partition_C(make_identity_tensor(typename Traits::TileST{})));
         // Each thread's dQ values go to shared memory four at a time, a warp's 16-byte stores
@@ -183,7 +190,7 @@ struct BwdMainloop {
             CUTE_UNROLL
             for (int slice = 0; slice < Traits::kDqSlices; ++slice) {
                 Tensor acc_dq = partition_fragment_C(mma_q, typename Traits::TileDq{});
-                Tensor sKt_slice = local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(slice, _0{}));
+                Tensor sKt_slice = local_tile(s_kt(), Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(slice, _0{}));
                 wgmma_gemm</*zero_init=*/true>(mma_q, tQrdS, thr_q.partition_fragment_B(sKt_slice), acc_dq);
                 warpgroup_wait<0>();
                 if (slice == 0) {
@@ -219,16 +226,10 @@ struct BwdMainloop {
         auto thr_role = mma_role.get_thread_slice(wtid);
         auto thr_k = mma_k.get_thread_slice(ctid);
         auto thr_v = mma_v.get_thread_slice(ctid);
-        Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDO{});
-        Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Traits::SmemLayoutQt{});
-        Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Traits::SmemLayoutDOt{});
-        Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Traits::SmemLayoutK{});
-        Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Traits::SmemLayoutV{});
-        Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Traits::SmemLayoutDSt{});
-        Tensor sPt = make_tensor(make_smem_ptr(shared.p.data()), typename Traits::SmemLayoutDSt{});
-        Tensor tKVrQt = thr_k.partition_fragment_B(sQt);
-        Tensor tKVrdOt = thr_v.partition_fragment_B(sdOt);
+        Tensor sdSt = s_dst();
+        Tensor sPt = s_pt();
+        Tensor tKVrQt = thr_k.partition_fragment_B(s_qt());
+        Tensor tKVrdOt = thr_v.partition_fragment_B(s_dot());
         auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_role);
         auto thr_r2s = r2s.get_thread_slice(wtid);
         Tensor acc = partition_fragment_C(mma_role, typename Traits::TileST{});
@@ -236,11 +237,11 @@ struct BwdMainloop {
         Tensor cST = rowcol(thr_role.partition_C(make_identity_tensor(typename Traits::TileST{})));
         const int stage = state.index();
         if (scores) {
-            wgmma_gemm</*zero_init=*/true>(mma_role, thr_role.partition_fragment_A(sK),
-                                           thr_role.partition_fragment_B(sQ)(_, _, _, stage), acc);
+            wgmma_gemm</*zero_init=*/true>(mma_role, thr_role.partition_fragment_A(s_k()),
+                                           thr_role.partition_fragment_B(s_q())(_, _, _, stage), acc);
         } else {
-            wgmma_gemm</*zero_init=*/true>(mma_role, thr_role.partition_fragment_A(sV),
-                                           thr_role.partition_fragment_B(sdO)(_, _, _, stage), acc);
+            wgmma_gemm</*zero_init=*/true>(mma_role, thr_role.partition_fragment_A(s_v()),
+                                           thr_role.partition_fragment_B(s_do())(_, _, _, stage), acc);
         }
         warpgroup_wait<0>();
         Tensor rP = make_tensor<Element>(acc.layout());

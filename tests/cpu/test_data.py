@@ -348,8 +348,11 @@ def test_response_end_values_and_model_inputs():
 
 def test_docstring_examples():
     import doctest
+    import importlib
 
-    import flashmask.data
-
-    res = doctest.testmod(flashmask.data)
-    assert res.failed == 0 and res.attempted > 5
+    attempted = 0
+    for name in ("", ".packing", ".sft", ".share_question", ".batches"):
+        res = doctest.testmod(importlib.import_module("flashmask.data" + name))
+        assert res.failed == 0, f"flashmask.data{name}"
+        attempted += res.attempted
+    assert attempted > 5

@@ -9,6 +9,9 @@ DTYPES = [t for t in (torch.float16, torch.bfloat16) if _cuda.available() and t 
 HEAD_DIMS = [d for d in (32, 40, 64, 80, 96, 128, 160, 192, 256)
              if _cuda.available() and d <= max(_cuda.compiled_head_dims() or (0,))]
 MODES = [(True, 1), (True, 2), (False, 2), (False, 4)]
+# One head dim per SM90 tile shape, those the build has: 64, 96 and 128, 192, 256 tile the forward and
+# the backward differently (test_fwd.py and test_bwd.py say how).
+TILE_SHAPE_HEAD_DIMS = [d for d in (64, 96, 128, 192, 256) if d in _cuda.compiled_head_dims()]
 
 
 def pick(seq, i):

@@ -11,7 +11,7 @@ from flashmask.reference import reference_attention
 from masks.examples import example
 from tests.attn_helpers import assert_close_to_reference, error_bound, low_precision_attention, max_err, random_startend
 from tests.gpu import cases as cuda_cases
-from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, make_qkv, poison_allocator, run_kernel
+from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, TILE_SHAPE_HEAD_DIMS, make_qkv, poison_allocator, run_kernel
 
 pytestmark = [
     pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension with its backward"),
@@ -244,12 +244,9 @@ def test_head_dims_odd_shapes_gqa_mask_heads(d, sq, sk, hm):
         assert torch.equal(a, b)
 
 
-# One head dim per backward tile shape the build has (64: three dQ warps; 96 and 128: two, each
-# warpgroup 64 keys; 192 and 256: the warpgroups share 64 keys and split the head dim).
-DETERMINISTIC_HEAD_DIMS = [d for d in (64, 96, 128, 192, 256) if d in _cuda.compiled_head_dims()]
-
-
-@pytest.mark.parametrize("d", DETERMINISTIC_HEAD_DIMS)
+# The backward's tile shapes at TILE_SHAPE_HEAD_DIMS: 64, three dQ warps; 96 and 128, two, each
+# warpgroup 64 keys; 192 and 256, the warpgroups share 64 keys and split the head dim.
+@pytest.mark.parametrize("d", TILE_SHAPE_HEAD_DIMS)
 @pytest.mark.parametrize("family", sorted(masks.FAMILIES))
 def test_deterministic_every_family(family, d):
     """Each query block's dQ additions follow the key blocks that see it (the SM90 kernel hands the

@@ -14,7 +14,16 @@ from masks.examples import example
 from tests import ROOT
 from tests.attn_helpers import assert_close_to_reference, random_startend
 from tests.gpu import cases as cuda_cases
-from tests.gpu.cases import DTYPES, HEAD_DIMS, MODES, arch_of, make_qkv, poison_allocator, run_kernel
+from tests.gpu.cases import (
+    DTYPES,
+    HEAD_DIMS,
+    MODES,
+    TILE_SHAPE_HEAD_DIMS,
+    arch_of,
+    make_qkv,
+    poison_allocator,
+    run_kernel,
+)
 
 pytestmark = [
     pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
@@ -79,12 +88,9 @@ def test_mask_families(dtype, family):
     assert_close_to_reference(out, lse, q, k, v, startend, causal)
 
 
-# One head dim per forward tile shape the build has (64: 192-row tiles, three warpgroups; 96 and
-# 128: pingpong on 128 x 128; 192: 96-key blocks; 256: 64-key blocks).
-REPEAT_HEAD_DIMS = [d for d in (64, 96, 128, 192, 256) if d in _cuda.compiled_head_dims()]
-
-
-@pytest.mark.parametrize("d", REPEAT_HEAD_DIMS)
+# The forward's tile shapes at TILE_SHAPE_HEAD_DIMS: 64, 192-row tiles, three warpgroups; 96 and
+# 128, pingpong on 128 x 128; 192, 96-key blocks; 256, 64-key blocks.
+@pytest.mark.parametrize("d", TILE_SHAPE_HEAD_DIMS)
 @pytest.mark.parametrize("family", sorted(masks.FAMILIES))
 def test_mask_families_repeatable(family, d):
     """Every family at each forward tile shape, off the tiles with GQA: right, and bitwise equal

@@ -47,9 +47,9 @@ struct BwdTraits {
     // Key-stationary: S^T = K Q^T and dP^T = V dO^T have the keys as rows. Each consumer warpgroup
     // owns 64 keys, whose P^T and dS^T stay in registers as the A operands of dV += P^T dO and
     // dK += dS^T Q; or (kSplitHeadDim) one warpgroup computes S^T and the other dP^T (TiledMmaRole)
-    // and they split the head dim of dK and dV, P^T and dS^T passing through shared memory (TiledMmaSdP
-    // then goes unused). dQ = dS K reads dS from shared
-    // memory; there the warpgroups split the head dim, kDqSlices slices one after the other.
+    // and they split the head dim of dK and dV, P^T and dS^T passing through shared memory
+    // (TiledMmaSdP then goes unused). dQ = dS K reads dS from shared memory; there the warpgroups
+    // split the head dim, kDqSlices slices one after the other.
     using AtomKeys = cute::Layout<
         cute::Shape<cute::Int<kConsumerWarpgroups / kGroupsPerKeyTile>, cute::Int<kGroupsPerKeyTile>, cute::_1>>;
     using AtomCols = cute::Layout<cute::Shape<cute::_1, cute::Int<kConsumerWarpgroups>, cute::_1>>;

@@ -65,6 +65,29 @@ struct BwdMainloop {
     __forceinline__ __device__ auto s_dst() { return view<typename Traits::SmemLayoutDSt>(shared.ds); }
     __forceinline__ __device__ auto s_pt() { return view<typename Traits::SmemLayoutDSt>(shared.p); }  // split only
 
+    // P^T = exp2(S^T scale - LSE) of a tile with the keys as rows: in the input dtype into rp where
+    // kKeepP, else into st. With the cap st takes P^T times the cap's slope 1 - t^2 for dS while t is
+    // at hand (a masked t is -inf: clamped to the slope's zero).
+    template <bool kKeepP, typename ST, typename RP, typename Coords>
+    static __forceinline__ __device__ void probabilities(ST& st, RP& rp, const Coords& cST, const float* lse_rows,
+                                                         float scale_log2) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(st); ++ni) {
+            const float lse_log2 = lse_rows[get<1>(cST(0, ni))];
+            CUTE_UNROLL
+            for (int mi = 0; mi < size<0>(st); ++mi) {
+                const float pr = exp2f(st(mi, ni) * scale_log2 - lse_log2);
+                if constexpr (kKeepP) rp(mi, ni) = static_cast<Element>(pr);
+                if constexpr (kSoftcap) {
+                    const float t = fmaxf(st(mi, ni), -1.f);
+                    st(mi, ni) = pr * (1.f - t * t);
+                } else if constexpr (!kKeepP) {
+                    st(mi, ni) = pr;
+                }
+            }
+        }
+    }
+
     // Every query block that sees the job's keys: accumulates dK (unscaled) and dV of this query
     // head's slice and hands each block's dQ tile to the dQ warps.
     __forceinline__ __device__ void run(const BwdParams& p, const Job& job, AccK& acc_dk, AccV& acc_dv) {
@@ -139,23 +162,8 @@ struct BwdMainloop {
                 }
                 Tensor rP = make_tensor<Element>(acc_s.layout());
                 Tensor rp = rowcol(rP);
-                CUTE_UNROLL
-                for (int ni = 0; ni < size<1>(st); ++ni) {
-                    const float lse_log2 = lse_rows[get<1>(cST_rc(0, ni))];
-                    CUTE_UNROLL
-                    for (int mi = 0; mi < size<0>(st); ++mi) {
-                        const float pr = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
-                        if constexpr (kSoftcap) {
-                            // P for dV, and P times the cap's slope 1 - t^2 for dS while t is at hand (a
-                            // masked t is -inf: clamped to the slope's zero).
-                            rp(mi, ni) = static_cast<Element>(pr);
-                            const float t = fmaxf(st(mi, ni), -1.f);
-                            st(mi, ni) = pr * (1.f - t * t);
-                        } else {
-                            st(mi, ni) = pr;
-                        }
-                    }
-                }
+                // Without the cap P^T stays in st and becomes the dV operand at issue_dv.
+                probabilities</*kKeepP=*/kSoftcap>(st, rp, cST_rc, lse_rows, p.scale_log2);
                 auto issue_dv = [&]() {
                     if constexpr (!kSoftcap) {
                         Tensor converted = convert_to<Element>(acc_s);
@@ -252,19 +260,7 @@ struct BwdMainloop {
                                                                   shared.mask_cols);
             }
             Tensor rp = rowcol(rP);
-            CUTE_UNROLL
-            for (int ni = 0; ni < size<1>(st); ++ni) {
-                const float lse_log2 = lse_rows[get<1>(cST(0, ni))];
-                CUTE_UNROLL
-                for (int mi = 0; mi < size<0>(st); ++mi) {
-                    const float pr = exp2f(st(mi, ni) * p.scale_log2 - lse_log2);
-                    rp(mi, ni) = static_cast<Element>(pr);
-                    if constexpr (kSoftcap) {
-                        const float t = fmaxf(st(mi, ni), -1.f);  // a masked t is -inf
-                        st(mi, ni) = pr * (1.f - t * t);          // P times the cap's slope, for dS
-                    }
-                }
-            }
+            probabilities</*kKeepP=*/true>(st, rp, cST, lse_rows, p.scale_log2);
         }
         // Both warpgroups are done with the last block's P^T and dS^T (each waited for its GEMMs).
         cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kBwdDsBarrier);

@@ -4,6 +4,7 @@ group), the rows of each data-parallel group, the context-parallel sharding of a
 reductions the examples log. With one process all of it reduces to plain calls."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -106,10 +107,13 @@ def finish_parallel(par: Parallel) -> None:
     tore its groups down while a peer was still finishing the last collective (the barrier itself,
     too) aborted that peer at exit (SIGABRT, "terminate called without an active exception"). The
     store is not one of the groups' connections, so once every rank has counted itself there none
-    is in flight. After an error there is no wait: a peer may be gone."""
+    is in flight. After an error there is no wait: a peer may be gone. Reference cycles are collected
+    first, while the interpreter is whole: a collective's work object freed during interpreter
+    shutdown can abort the process."""
     if par.distributed:
         import torch.distributed as dist
         if dist.is_initialized():
+            gc.collect()
             if sys.exc_info()[0] is None:
                 dist.barrier()
                 _wait_for_every_rank(dist, "flashmask/finished")

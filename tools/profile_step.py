@@ -41,6 +41,8 @@ if kv_heads < 1 or args.heads % kv_heads:
 head_dim_v = args.head_dim if args.head_dim_v is None else args.head_dim_v
 if (args.no_mask or args.sdpa_cudnn) and args.family not in ("causal", "full"):
     parser.error(f"--no-mask and --sdpa-cudnn need --family causal or full, got {args.family}")
+if args.sdpa_cudnn and args.deterministic:
+    parser.error("--deterministic is flashmask's; --sdpa-cudnn runs cuDNN's attention")
 torch.manual_seed(0)
 
 

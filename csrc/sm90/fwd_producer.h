@@ -152,6 +152,9 @@ struct FwdProducer {
                         copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKg(_, n_block),
                              tKs(_, state.index()));
                     }
+                    // All lanes stage the next block's mask columns: they wait with lane 0 for this K
+                    // stage, whose release frees that slot, or they overwrite columns still being read.
+                    __syncwarp();
                     // The walk's loads and compares for the next block wait with this block's V stage,
                     // not between this V and the next K. The next block's slot is free: its last block
                     // was read before the K stage just acquired was released (FwdTraits::kSlots).

@@ -89,10 +89,10 @@ struct FwdTraits {
     static constexpr int kTmaBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesK = kBlockN * kHeadDim * int(sizeof(Element));
     static constexpr int kTmaBytesV = kBlockN * kHeadDimV * int(sizeof(Element));
-    // The producer fills block i + 1's ring slot once it holds block i's K stage, so the consumers
-    // have released block i - kStages's K stage; a consumer reads a block's slot just after releasing
-    // its K stage, so the slots of blocks i - kStages .. i may still be read: with block i + 1's,
-    // kStages + 2 slots are in use, no fewer.
+    // The producer fills block i + 1's ring slot once its whole load warp holds block i's K stage,
+    // so the consumers have released block i - kStages's K stage; a consumer reads a block's slot
+    // just after releasing its K stage, so the slots of blocks i - kStages .. i may still be read:
+    // with block i + 1's, kStages + 2 slots are in use, no fewer.
     static constexpr int kSlots = kStages + 2;
 
     // Shared memory for everything but the output buffer, and whether that fits beside it.

@@ -43,17 +43,22 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})")
 
 
+def _real_scalar(value, expected: str) -> float:
+    """``value`` (a real number or a one-element real tensor, not a bool) as a float, else TypeError."""
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    is_scalar_tensor = (isinstance(value, torch.Tensor) and value.numel() == 1
+                        and value.dtype != torch.bool and not value.is_complex())
+    if not (is_real or is_scalar_tensor):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def softmax_scale_value(softmax_scale, head_dim: int) -> float:
     """The softmax scale to use: ``1 / sqrt(D)`` for ``None``, else ``softmax_scale`` as a finite float > 0."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     expected = "softmax_scale must be a finite float > 0 (or None for 1 / sqrt(head dim))"
-    is_real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
-    is_scalar_tensor = (isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1
-                        and softmax_scale.dtype != torch.bool and not softmax_scale.is_complex())
-    if not (is_real or is_scalar_tensor):
-        raise TypeError(f"{expected}, got {type(softmax_scale).__name__} {softmax_scale!r}")
-    value = float(softmax_scale)
+    value = _real_scalar(softmax_scale, expected)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{expected}, got {value!r}")
     return value
@@ -62,12 +67,7 @@ def softmax_scale_value(softmax_scale, head_dim: int) -> float:
 def softcap_value(softcap) -> float:
     """``softcap`` as a float: 0 (off) or a finite value > 0 (each score s becomes ``softcap * tanh(s / softcap)``)."""
     expected = "softcap must be a finite float >= 0 (0 turns soft-capping off)"
-    is_real = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
-    is_scalar_tensor = (isinstance(softcap, torch.Tensor) and softcap.numel() == 1
-                        and softcap.dtype != torch.bool and not softcap.is_complex())
-    if not (is_real or is_scalar_tensor):
-        raise TypeError(f"{expected}, got {type(softcap).__name__} {softcap!r}")
-    value = float(softcap)
+    value = _real_scalar(softcap, expected)
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{expected}, got {value!r}")
     return value

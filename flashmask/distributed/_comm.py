@@ -47,20 +47,30 @@ def _not_supported(e: Exception) -> bool:
     return isinstance(e, (NotImplementedError, AttributeError)) or "not supported" in msg or "does not support" in msg
 
 
+def _native(name: str, op, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+    """Runs the tensor form ``op`` of collective ``name``; ``(True, its handle)``, or ``(False, None)``
+    where the group's backend does not support it (remembered: later calls go to the fallback)."""
+    key = (name, _backend(group))
+    if key in _unsupported or op is None:
+        return False, None
+    try:
+        return True, op(out, inp, group=group, async_op=async_op)
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        if not _not_supported(e):
+            raise
+        _unsupported.add(key)
+        return False, None
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out [world * n, ...] = cat(inp of every rank)`` along dim 0; ``inp`` contiguous ``[n, ...]``."""
     world, _ = world_and_rank(group)
     if world == 1:
         out.copy_(inp)
         return Done() if async_op else None
-    key = ("all_gather", _backend(group))
-    if key not in _unsupported and _all_gather_op is not None:
-        try:
-            return _all_gather_op(out, inp, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError, AttributeError) as e:
-            if not _not_supported(e):
-                raise
-            _unsupported.add(key)
+    ran, work = _native("all_gather", _all_gather_op, out, inp, group, async_op)
+    if ran:
+        return work
     dist.all_gather(list(out.chunk(world)), inp, group=group)
     return Done() if async_op else None
 
@@ -71,14 +81,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: b
     if world == 1:
         out.copy_(inp)
         return Done() if async_op else None
-    key = ("reduce_scatter", _backend(group))
-    if key not in _unsupported and _reduce_scatter_op is not None:
-        try:
-            return _reduce_scatter_op(out, inp, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError, AttributeError) as e:
-            if not _not_supported(e):
-                raise
-            _unsupported.add(key)
+    ran, work = _native("reduce_scatter", _reduce_scatter_op, out, inp, group, async_op)
+    if ran:
+        return work
     full = inp.clone()
     dist.all_reduce(full, group=group)
     out.copy_(full.chunk(world)[rank])

@@ -57,7 +57,15 @@ from collections import OrderedDict
 
 import torch
 
-from benchmarks.cli import DTYPES, add_testing_args, add_timing_args, parse_choice_list, parse_int_list, resolve_timing
+from benchmarks.cli import (
+    DTYPES,
+    add_baseline_mask_args,
+    add_testing_args,
+    add_timing_args,
+    parse_choice_list,
+    parse_int_list,
+    resolve_timing,
+)
 from benchmarks.cuda_memory import cleanup
 from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
 from benchmarks.flex import configure_dynamo
@@ -119,11 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample the GPU's SM clock and power (nvidia-smi) while each cell is timed: columns sm_mhz "
                         "and power_w. At the power cap the clock depends on the kernel; time cells long enough to "
                         "reach it (e.g. --rep 4000)")
-    p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
-                   help="create_block_mask eagerly (dense SxS temporaries) or through torch.compile; "
-                        "auto: eager when 8*S^2 bytes fit in half the free memory")
-    p.add_argument("--dense-mem-fraction", type=float, default=0.5,
-                   help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
+    add_baseline_mask_args(p)
     p.add_argument("--seed", type=int, default=0)
     add_testing_args(p)
     return p

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks.cli import DTYPES, add_testing_args, parse_choice_list, parse_int_list
+from benchmarks.cli import DTYPES, add_baseline_mask_args, add_testing_args, parse_choice_list, parse_int_list
 from benchmarks.cuda_memory import cleanup, peak_since, reset_peak
 from benchmarks.dense_masks import dense_mask_bytes
 from benchmarks.errors import format_error, is_fatal_cuda_error, status_of
@@ -62,10 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--methods", default=",".join(METHODS), help="comma list of methods")
     p.add_argument("--out", default=None, help="folder for memory.csv / memory.json; default runs/memory")
-    p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
-                   help="how to run create_block_mask (auto: eager when 8*S^2 bytes fit in half the free memory)")
-    p.add_argument("--dense-mem-fraction", type=float, default=0.5,
-                   help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
+    add_baseline_mask_args(p)
     p.add_argument("--seed", type=int, default=0)
     add_testing_args(p, "torch device; on a CPU only the flow runs (no memory numbers)")
     return p

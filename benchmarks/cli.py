@@ -60,6 +60,15 @@ def resolve_timing(args) -> None:
         args.rep = 30.0 if args.quick else 100.0
 
 
+def add_baseline_mask_args(p) -> None:
+    """How the baselines get their masks: Flex's BlockMask and dense-mask SDPA's S x S masks."""
+    p.add_argument("--flex-block-mask", default="auto", choices=["auto", "eager", "compile"],
+                   help="create_block_mask eagerly (dense SxS temporaries) or through torch.compile; "
+                        "auto: eager when 8*S^2 bytes fit in half the free memory")
+    p.add_argument("--dense-mem-fraction", type=float, default=0.5,
+                   help="run dense-mask SDPA only if bool mask + additive mask fit in this share of free memory")
+
+
 def add_testing_args(p, device_help: str = "torch device (cpu only for smoke tests)") -> None:
     """The options that let the CPU smoke tests run a benchmark script without CUDA."""
     g = p.add_argument_group("testing options")

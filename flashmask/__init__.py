@@ -6,6 +6,7 @@ Attention
     flashmask_attention     exact attention under a mask: the CUDA kernels, else the reference path
     reference_attention     the pure-PyTorch path, (out, lse) on any device: the tests' oracle
     cuda                    the kernels' build: cuda.available(), cuda.unavailable_reason()
+    python -m flashmask     what this installation runs: versions, GPUs, kernels (flashmask.env_report)
 
 Modules
     FlashMaskAttention      the attention core as an nn.Module (BSHD or BHSD layout)

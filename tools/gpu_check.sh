@@ -10,7 +10,7 @@ usage: bash tools/gpu_check.sh OUTDIR [--wheels DIR] [--tests "PATHS"] [--bench 
 
 Builds the extension (pip install -e . with FLASHMASK_BUILD_CUDA=1, so a failed CUDA build fails),
 runs the GPU tests and, if asked, a benchmark. Writes OUTDIR/gpu.txt (nvidia-smi), build.log,
-ptxas.txt, tests.log and bench.log, and prints a summary last (build seconds, test counts, exit code).
+ptxas.txt, env.txt (python -m flashmask), tests.log and bench.log, and prints a summary last (build seconds, test counts, exit code).
 
   OUTDIR                  folder for the logs (created if missing)
   --wheels DIR            first install the wheels in DIR with no package index (offline machines)
@@ -118,6 +118,9 @@ if [ "$SKIP_BUILD" = 0 ]; then
         fi
     fi
 fi
+
+# What the build can run on this machine: the kernels' head dims and the family each call takes.
+[ $build_rc -eq 0 ] && "$PY" -m flashmask > "$OUTDIR/env.txt" 2>&1
 
 tests_line="tests: not run (the build failed)"
 tests_rc=0

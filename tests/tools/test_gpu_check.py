@@ -11,7 +11,8 @@ from tests import ROOT
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 
 # Answers `-m pip install ...` (the build) with ptxas's lines for two kernels, one of them spilling
-# and with wgmma serialised, and `-m pytest ...` with a result line; records the arguments it got.
+# and with wgmma serialised, `-m flashmask` with a report's first line and `-m pytest ...` with a
+# result line; records the arguments it got.
 FAKE_PYTHON = """#!/bin/bash
 echo "$*" >> "$(dirname "$0")/calls.txt"
 if [ "$2" = pip ]; then
@@ -23,6 +24,10 @@ serialized in the function 'k1'"
     echo "ptxas info    : Used 128 registers, used 1 barriers"
     echo "    8 bytes stack frame, 48 bytes spill stores, 72 bytes spill loads"
     exit ${FAKE_BUILD_RC:-0}
+fi
+if [ "$2" = flashmask ]; then
+    echo "flashmask 0.1.0 at ..."
+    exit 0
 fi
 echo "3 passed, 1 skipped in 0.10s"
 """
@@ -101,8 +106,10 @@ def test_build_tests_bench_and_summary(tmp_path, fake_python):
     assert (out / "bench.log").read_text().strip() == f"bench in {out}"
     calls = (tmp_path / "bin" / "calls.txt").read_text().splitlines()
     assert calls[0].startswith("-m pip install --no-build-isolation --no-deps -v -e .")
+    # The environment report of the build, before the tests.
+    assert calls[1] == "-m flashmask" and (out / "env.txt").read_text() == "flashmask 0.1.0 at ...\n"
     default = "tests/gpu" if os.path.isdir(os.path.join(ROOT, "tests", "gpu")) else "tests"
-    assert calls[1].startswith("-m pytest -q -p no:cacheprovider " + default)
+    assert calls[2].startswith("-m pytest -q -p no:cacheprovider " + default)
 
 
 def test_failed_build_runs_nothing_else(tmp_path, fake_python):
@@ -111,7 +118,7 @@ def test_failed_build_runs_nothing_else(tmp_path, fake_python):
     assert r.returncode == 1
     assert "build: FAILED after" in r.stdout and "tests: not run (the build failed)" in r.stdout
     assert r.stdout.splitlines()[-1] == "exit code: 1"
-    assert not (out / "tests.log").exists() and not (out / "bench.log").exists()
+    assert not (out / "tests.log").exists() and not (out / "bench.log").exists() and not (out / "env.txt").exists()
 
 
 @pytest.mark.slow  # two real pytest runs

@@ -1,0 +1,6 @@
+"""``python -m flashmask``: what this installation can run (flashmask/env_report.py)."""
+import sys
+
+from flashmask.env_report import main
+
+sys.exit(main())

@@ -4,14 +4,15 @@
 The versions of flashmask, torch, CUDA and transformers; the GPUs; whether the CUDA kernels are
 built and, if not, why; the head dims and dtypes they were built for; and, on each visible GPU, the
 kernel family (sm80 or sm90) that a forward, a backward and a deterministic backward of each
-compiled head dim would run on. Example (one H100, a full build; abridged)::
+compiled head dim would run on. Its shape on a Hopper GPU with a full build (values illustrative,
+abridged)::
 
     flashmask 0.1.0 at /src/flashmask/flashmask
     torch 2.11.0+cu130 (CUDA 13.0), Python 3.12.3, Linux-6.8-x86_64
     transformers 5.17.0
     GPU 0: NVIDIA H100 80GB HBM3, compute capability 9.0
     CUDA kernels: built (.../flashmask/_C.cpython-312-x86_64-linux-gnu.so)
-      dtypes: float16, bfloat16; head dims (q/k, v): 32, 64, 96, 128, 192, 256, (192, 128)
+      dtypes: float16, bfloat16; head dims (q/k, v): 32, 64, 96, 128, (192, 128), 192, 256
 
     GPU 0, bfloat16: the kernel family of each call
     | head dims | forward | backward | deterministic backward |

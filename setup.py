@@ -89,11 +89,8 @@ def _cuda_extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")) + glob.glob(os.path.join("csrc", "*", "*.cpp")))
     # The archs decide which SM80 backward units leave their sm_90 code out (instantiations.skips_sm90).
     sources += [os.path.relpath(p, HERE) for p in inst.generate(os.path.join(HERE, GENERATED), selected, archs)]
-    sm90a = bool(inst.KERNELS["sm90"])  # wgmma and setmaxnreg need the arch-specific target
     gencode = []
-    for a in archs:
-        a = a.rstrip("a")
-        target = f"{a}a" if a == "90" and sm90a else a
+    for target in inst.gencode_targets(archs):  # "90" -> "90a": wgmma and setmaxnreg need it
         gencode += ["-gencode", f"arch=compute_{target},code=sm_{target}"]
     nvcc = list(inst.NVCC_FLAGS) + ["--threads", "2"] + gencode
     if os.environ.get("FLASHMASK_PTXAS_VERBOSE"):

@@ -113,6 +113,13 @@ def arch_families(cuda_archs: Sequence[str]) -> List[str]:
     return [f for f, cc in ARCH_MIN_CC.items() if any(c >= cc for c in ccs)]
 
 
+def gencode_targets(cuda_archs: Sequence[str]) -> List[str]:
+    """The device code targets of a build for ``cuda_archs``: "90" becomes the arch-specific "90a",
+    which wgmma and setmaxnreg need (the SM90 family's kernels)."""
+    sm90a = bool(KERNELS["sm90"])
+    return [f"{a}a" if a == "90" and sm90a else a for a in (a.rstrip("a") for a in cuda_archs)]
+
+
 def skips_sm90(inst: Instantiation, cuda_archs: Iterable[str], selected: Sequence[Instantiation]) -> bool:
     """Whether the build (CUDA archs ``cuda_archs``, instantiations ``selected``) leaves inst's
     sm_90 device code empty: an SM80 backward kernel, in a build for sm_90 and an older arch, whose
@@ -158,6 +165,10 @@ def _registry(insts: Sequence[Instantiation], cuda_archs: Sequence[str] = ()) ->
                      f"{'true' if skip else 'false'}}},\n")
     lines.append("    {0, 0, 0, DType::fp16, nullptr, nullptr, nullptr, false},  // sentinel: a build may compile "
                  "nothing\n};\n")
+    # CudaTarget: {compute capability, arch-specific (sm_90a code runs on 9.0 alone)}; none listed: any.
+    targets = "".join(f"{{{t.rstrip('a')}, {'true' if t.endswith('a') else 'false'}}}, "
+                      for t in gencode_targets(cuda_archs))
+    lines.append(f"\nconst CudaTarget kCudaTargets[] = {{{targets}{{0, false}}}};  // the build's device code\n")
     return "".join(lines)
 
 

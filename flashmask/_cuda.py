@@ -10,7 +10,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -69,6 +69,7 @@ _HEAD_DIMS: Tuple[int, ...] = tuple(_C.head_dims()) if _C is not None else ()
 _DTYPES: Tuple[torch.dtype, ...] = tuple(getattr(torch, n) for n in _C.dtypes()) if _C is not None else ()
 _HEAD_DIM_PAIRS: Tuple[Tuple[int, int], ...] = (
     tuple((int(d), int(dv)) for d, dv in _C.head_dim_pairs()) if _C is not None else ())
+_CUDA_TARGETS: Tuple[str, ...] = tuple(_C.cuda_targets()) if _C is not None else ()
 
 
 def compiled_head_dims() -> Tuple[int, ...]:
@@ -127,9 +128,28 @@ def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd", head_dim_v:
     return _C.selected_arch(q.shape[-1], str(q.dtype).replace("torch.", ""), major * 10 + minor, arch, slot, dv)
 
 
+def cuda_targets() -> Tuple[str, ...]:
+    """The device code the extension carries, e.g. ``("sm_80", "sm_90a")`` (FLASHMASK_ARCHS)."""
+    return _CUDA_TARGETS
+
+
+def device_code_reason(cc: int, name: str = "") -> Optional[str]:
+    """Why the build cannot run on a GPU of compute capability ``cc`` (major * 10 + minor), or None:
+    sm_XY code runs on X.Y and the later minors of major X, sm_XYa code on X.Y alone."""
+    if _C is None or _C.has_code_for(cc):
+        return None
+    gpu = f"compute capability {cc // 10}.{cc % 10}" + (f" ({name})" if name else "")
+    hint = (f"rebuild with FLASHMASK_ARCHS including {cc}" if 80 <= cc < 100
+            else "flashmask's kernels run on compute capability 8.x and 9.0")
+    return f"this build has no device code for {gpu}: it carries {', '.join(_CUDA_TARGETS)}; {hint}"
+
+
+_device_reasons: Dict[int, Optional[str]] = {}  # device index -> device_code_reason of that GPU
+
+
 def build_unsupported_reason(q: torch.Tensor, head_dim_v: Optional[int] = None) -> Optional[str]:
     """Why this build of the extension has no kernel for q's head dim, v's (``head_dim_v``, default
-    q's) or the dtype, or None.
+    q's), the dtype or q's GPU (:func:`device_code_reason`), or None.
 
     Builds may compile a subset (``FLASHMASK_HEAD_DIMS``, ``FLASHMASK_DTYPES``); a pair of head dims
     is served by the smallest compiled pair that holds it (:func:`compiled_head_dim_pairs`).
@@ -146,6 +166,13 @@ def build_unsupported_reason(q: torch.Tensor, head_dim_v: Optional[int] = None) 
                 f"dim {d} with v head dim {dv} (rebuild with FLASHMASK_HEAD_DIMS including one that holds it)")
     if q.dtype not in compiled_dtypes():
         return f"this build compiled {compiled_dtypes()}, not {q.dtype} (rebuild with FLASHMASK_DTYPES)"
+    # Eager calls only: under torch.compile the binding's own check raises the same reason.
+    if q.is_cuda and not torch.compiler.is_compiling():
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if index not in _device_reasons:
+            major, minor = torch.cuda.get_device_capability(index)
+            _device_reasons[index] = device_code_reason(major * 10 + minor, torch.cuda.get_device_name(index))
+        return _device_reasons[index]
     return None
 
 

@@ -12,7 +12,8 @@ abridged)::
     transformers 5.17.0
     GPU 0: NVIDIA H100 80GB HBM3, compute capability 9.0
     CUDA kernels: built (.../flashmask/_C.cpython-312-x86_64-linux-gnu.so)
-      dtypes: float16, bfloat16; head dims (q/k, v): 32, 64, 96, 128, (192, 128), 192, 256
+      dtypes: float16, bfloat16; head dims (q/k, v): 32, 64, 96, 128, (192, 128), 192, 256; device code:
+      sm_80, sm_90a
 
     GPU 0, bfloat16: the kernel family of each call
     | head dims | forward | backward | deterministic backward |
@@ -92,14 +93,20 @@ def report() -> str:
     dtypes = list(_cuda.compiled_dtypes())
     lines.append(f"CUDA kernels: built ({built})")
     lines.append("  dtypes: " + ", ".join(str(t).replace("torch.", "") for t in dtypes)
-                 + "; head dims (q/k, v): " + ", ".join(_dims(p) for p in pairs))
+                 + "; head dims (q/k, v): " + ", ".join(_dims(p) for p in pairs)
+                 + "; device code: " + ", ".join(_cuda.cuda_targets()))
     if not gpus:
         lines.append(f"  not usable here: {_cuda.unavailable_reason()}")
         return "\n".join(lines)
     if dtypes and pairs:
         dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]
         for i in range(gpus):
-            lines += [""] + _family_table(i, dtype, pairs)
+            major, minor = torch.cuda.get_device_capability(i)
+            missing = _cuda.device_code_reason(major * 10 + minor)
+            if missing:
+                lines.append(f"  GPU {i}: {missing}; its calls run on the reference path")
+            else:
+                lines += [""] + _family_table(i, dtype, pairs)
     return "\n".join(lines)
 
 

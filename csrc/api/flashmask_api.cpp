@@ -375,6 +375,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("head_dim_pairs", &flashmask::compiled_head_dim_pairs,
           "every (head dim, value head dim) pair compiled, equal ones included (sorted)");
     m.def("dtypes", &flashmask::compiled_dtypes);
+    m.def("cuda_targets", &flashmask::cuda_targets, "the build's device code targets, e.g. sm_80, sm_90a");
+    m.def("has_code_for", &flashmask::has_code_for,
+          "whether the build carries device code for compute capability cc (major * 10 + minor)", py::arg("cc"));
     m.def("archs", &flashmask::compiled_archs,
           "architecture families compiled for (head dim, dtype name, value head dim; 0: equal to the head dim)",
           py::arg("head_dim"), py::arg("dtype"), py::arg("head_dim_v") = 0);

@@ -18,8 +18,8 @@ namespace {
 const char* dtype_name(DType t) { return t == DType::fp16 ? "float16" : "bfloat16"; }
 
 // sm_90a code (wgmma, setmaxnreg) runs on compute capability 9.0 only; the mma.sync kernels on
-// anything from 8.0 (the build carries sm_80 and sm_90 code).
-bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
+// anything from 8.0 that the build carries code for.
+bool runs_on(int arch, int cc) { return (arch == 90 ? cc == 90 : arch <= cc) && has_code_for(cc); }
 
 TileSizes tiles_of(const KernelSet& k) {
     if (k.arch == 90) {
@@ -54,6 +54,12 @@ bool has(const KernelSet& k, Slot slot, int cc) {
 std::string join(const std::vector<int64_t>& xs) {
     std::string s;
     for (int64_t x : xs) s += (s.empty() ? "" : ", ") + std::to_string(x);
+    return s;
+}
+
+std::string join(const std::vector<std::string>& xs) {
+    std::string s;
+    for (const std::string& x : xs) s += (s.empty() ? "" : ", ") + x;
     return s;
 }
 
@@ -110,6 +116,22 @@ int env_arch() {
 
 }  // namespace
 
+bool has_code_for(int cc) {
+    if (kCudaTargets[0].cc == 0) return true;
+    for (const CudaTarget& t : kCudaTargets) {
+        if (t.cc != 0 && (t.arch_specific ? t.cc == cc : t.cc / 10 == cc / 10 && t.cc <= cc)) return true;
+    }
+    return false;
+}
+
+std::vector<std::string> cuda_targets() {
+    std::vector<std::string> names;
+    for (const CudaTarget& t : kCudaTargets) {
+        if (t.cc != 0) names.push_back("sm_" + std::to_string(t.cc) + (t.arch_specific ? "a" : ""));
+    }
+    return names;
+}
+
 std::vector<int64_t> compiled_head_dims() { return head_dims(); }
 
 std::vector<std::pair<int64_t, int64_t>> compiled_head_dim_pairs() { return head_dim_pairs(); }
@@ -152,6 +174,8 @@ Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot
     if (arch == 0) arch = env_arch();
     TORCH_CHECK(arch == 0 || arch == 80 || arch == 90, "flashmask: unknown kernel architecture ", std::to_string(arch),
                 " (FLASHMASK_ARCH / backend): choose 80 or 90");
+    TORCH_CHECK(has_code_for(cc), "flashmask: this build has no device code for compute capability ",
+                std::to_string(cc / 10), ".", std::to_string(cc % 10), " (it carries ", join(cuda_targets()), ")");
     TORCH_CHECK(arch == 0 || runs_on(arch, cc), "flashmask: the sm", std::to_string(arch),
                 " kernels cannot run on a device of compute capability ", std::to_string(cc));
     const std::vector<std::pair<int64_t, int64_t>>& pairs = head_dim_pairs();

@@ -31,6 +31,13 @@ struct KernelSet {
     bool bwd_skips_sm90;
 };
 
+// A device code target of the build (-gencode ...,code=sm_XY[a]): sm_XY code runs on compute
+// capability X.Y and the later minors of major X; arch-specific sm_XYa code on X.Y alone.
+struct CudaTarget {
+    int cc;  // 10 * X + Y; 0 ends the list
+    bool arch_specific;
+};
+
 // Tile sizes a kernel set walks with: the binding sizes the mask bounds, the tile work and the dQ
 // accumulator with them.
 struct TileSizes {
@@ -54,6 +61,11 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, 
 // Those of them whose backward (atomic and deterministic) runs on a device of compute capability
 // `cc`: a family may have it for older devices only (KernelSet::bwd_skips_sm90).
 std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v = 0);
+
+// Whether the build carries device code a GPU of compute capability `cc` runs (a table that lists
+// no targets restricts nothing), and the targets as "sm_80", "sm_90a", ...
+bool has_code_for(int cc);
+std::vector<std::string> cuda_targets();
 
 // The kernels for head dims (d, dv) of q/k and v and dtype on a device of compute capability `cc`
 // (major * 10 + minor): of the newest family the device runs that has a pair holding both, the

@@ -44,8 +44,10 @@ def _fake_kernels(monkeypatch, cc, gpus=1):
             raise RuntimeError("flashmask: no kernel for this call\nsecond line")
         return 90 if cc_ >= 90 else 80
 
-    fake = types.SimpleNamespace(__file__="/site/flashmask/_C.so", selected_arch=selected_arch)
+    fake = types.SimpleNamespace(__file__="/site/flashmask/_C.so", selected_arch=selected_arch,
+                                 has_code_for=lambda cc_: cc_ // 10 == 8 or cc_ == 90)
     monkeypatch.setattr(_cuda, "_C", fake)
+    monkeypatch.setattr(_cuda, "_CUDA_TARGETS", ("sm_80", "sm_90a"))
     monkeypatch.setattr(_cuda, "compiled_head_dim_pairs", lambda: ((64, 64), (192, 128), (192, 192)))
     monkeypatch.setattr(_cuda, "compiled_dtypes", lambda: (torch.float16, torch.bfloat16))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
@@ -60,7 +62,7 @@ def test_the_kernel_family_of_each_call_on_each_gpu(monkeypatch):
     text = env_report.report()
     assert "GPU 0: Fake GPU 0, compute capability 9.0" in text and "GPU 1: Fake GPU 1" in text
     assert "CUDA kernels: built (/site/flashmask/_C.so)" in text
-    assert "dtypes: float16, bfloat16; head dims (q/k, v): 64, (192, 128), 192" in text
+    assert "dtypes: float16, bfloat16; head dims (q/k, v): 64, (192, 128), 192; device code: sm_80, sm_90a" in text
     # bf16 is the dtype of the table when built; the registry is asked with arch 0, as a call does.
     assert {c[1] for c in calls} == {"bfloat16"} and {c[3] for c in calls} == {0} and {c[2] for c in calls} == {90}
     for gpu in (0, 1):
@@ -73,10 +75,30 @@ def test_the_kernel_family_of_each_call_on_each_gpu(monkeypatch):
     assert len(calls) == 2 * 3 * 3
 
 
-def test_an_ampere_gpu_and_a_build_without_gpus(monkeypatch):
+def test_an_ampere_gpu_an_older_one_and_a_build_without_gpus(monkeypatch):
     _fake_kernels(monkeypatch, cc=80)
     assert "| 64 | sm80 | sm80 | sm80 |" in env_report.report()
+    for cc, hint in ((75, "flashmask's kernels run on compute capability 8.x and 9.0"),
+                     (100, "flashmask's kernels run on compute capability 8.x and 9.0")):
+        calls = _fake_kernels(monkeypatch, cc=cc)
+        text = env_report.report()
+        assert (f"  GPU 0: this build has no device code for compute capability {cc // 10}.{cc % 10}: it carries "
+                f"sm_80, sm_90a; {hint}; its calls run on the reference path") in text
+        assert "| head dims |" not in text and not calls
     _fake_kernels(monkeypatch, cc=90, gpus=0)
     text = env_report.report()
     assert "GPU: none visible" in text and "CUDA kernels: built" in text
     assert "not usable here: no CUDA device is available" in text and "| head dims |" not in text
+
+
+def test_device_code_reason_names_the_gpu_the_targets_and_what_to_do(monkeypatch):
+    _fake_kernels(monkeypatch, cc=90)
+    assert _cuda.device_code_reason(90) is None and _cuda.device_code_reason(86) is None
+    assert _cuda.cuda_targets() == ("sm_80", "sm_90a")
+    assert _cuda.device_code_reason(100, "B200") == (
+        "this build has no device code for compute capability 10.0 (B200): it carries sm_80, sm_90a; "
+        "flashmask's kernels run on compute capability 8.x and 9.0")
+    monkeypatch.setattr(_cuda._C, "has_code_for", lambda cc: cc == 90)  # a build for sm_90 alone
+    assert _cuda.device_code_reason(80).endswith("rebuild with FLASHMASK_ARCHS including 80")
+    monkeypatch.setattr(_cuda, "_C", None)
+    assert _cuda.device_code_reason(100) is None  # no build: unavailable_reason says why

@@ -182,4 +182,17 @@ def test_generated_units_and_registry_carry_skips_sm90(tmp_path):
     for archs, out in ((["90"], "sm90_only"), ((), "no_archs")):
         paths = inst.generate(str(tmp_path / out), selected, archs)
         assert not any(macro in open(p).read() for p in paths)
-        assert " true}" not in open(tmp_path / out / "kernel_registry.inc").read()
+        rows = re.findall(ROW, open(tmp_path / out / "kernel_registry.inc").read())
+        assert rows and all(flag == "false" for *_, flag in rows)
+
+
+def test_device_code_targets_of_a_build(tmp_path):
+    """setup.py's -gencode targets ("90" -> "90a") and the registry's list of them, which tells the
+    binding which GPUs the build has code for; a table generated without archs lists none."""
+    assert inst.gencode_targets(["80", "90"]) == ["80", "90a"]
+    assert inst.gencode_targets(["86", "90a"]) == ["86", "90a"]
+    selected = inst.instantiations([64], ["bf16"], ["sm80", "sm90"])
+    for archs, listed in ((["80", "90"], "{80, false}, {90, true}, "), (["90"], "{90, true}, "), ([], "")):
+        inst.generate(str(tmp_path / "".join(archs)), selected, archs)
+        text = (tmp_path / "".join(archs) / "kernel_registry.inc").read_text()
+        assert f"const CudaTarget kCudaTargets[] = {{{listed}{{0, false}}}};" in text, archs

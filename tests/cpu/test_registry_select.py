@@ -23,6 +23,7 @@ SLOTS = ("fwd", "bwd", "bwd_deterministic")
 
 DRIVER = r"""
 #include <cstdio>
+#include <string>
 #include "api/registry.h"
 namespace flashmask {
 #include "stubs.inc"
@@ -46,13 +47,25 @@ int main() {
         for (int64_t a : backward_archs(d, "bfloat16", cc)) std::printf(" %%d", int(a));
         std::printf("\n");
     }
+    for (int cc : {75, 80, 86, 89, 90, 100, 120}) {
+        std::printf("code %%d %%d", cc, int(has_code_for(cc)));
+        try {
+            std::printf(" %%d\n", select_kernels(64, 64, DType::bf16, cc, 0, Slot::fwd).kernels->arch);
+        } catch (const std::exception& e) {
+            const std::string what = e.what();
+            std::printf(" error %%s\n", what.substr(0, what.find('\n')).c_str());
+        }
+    }
+    for (const std::string& t : cuda_targets()) std::printf("target %%s\n", t.c_str());
 }
 """
 
 
 def _select_table(tmp_path, archs):
-    """{(cc, forced arch, d, dv, slot): (family, head dim) or None} and {(cc, d): backward families}
-    of a build for the CUDA archs ``archs`` (every head dim and dtype)."""
+    """{(cc, forced arch, d, dv, slot): (family, head dim) or None}, {(cc, d): backward families} and
+    {cc: (whether the build has code for it, the family or error of a head dim 64 forward there)}
+    with the build's device code targets under "targets", of a build for the CUDA archs ``archs``
+    (every head dim and dtype)."""
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     inst = instantiations()
     out = tmp_path / "".join(archs)
@@ -69,16 +82,21 @@ def _select_table(tmp_path, archs):
                 f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}")
     run = subprocess.run([str(exe)], capture_output=True, text=True, env=dict(os.environ, FLASHMASK_ARCH=""))
     assert run.returncode == 0, run.stderr[-3000:]
-    select, backward = {}, {}
+    select, backward, code = {}, {}, {"targets": []}
     for line in run.stdout.splitlines():
         m = re.fullmatch(r"select (\d+) (\d+) (\d+) (\d+) (\w+) (?:(\d+) (\d+)|error)", line)
         if m:
             cc, arch, d, dv = map(int, m.groups()[:4])
             select[(cc, arch, d, dv, m.group(5))] = None if m.group(6) is None else (int(m.group(6)), int(m.group(7)))
-            continue
-        cc, d, *families = map(int, line.split()[1:])
-        backward[(cc, d)] = families
-    return select, backward
+        elif line.startswith("code "):
+            _, cc, has, fwd = line.split(" ", 3)
+            code[int(cc)] = (bool(int(has)), fwd)
+        elif line.startswith("target "):
+            code["targets"].append(line.split()[1])
+        else:
+            cc, d, *families = map(int, line.split()[1:])
+            backward[(cc, d)] = families
+    return select, backward, code
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +106,7 @@ def tables(tmp_path_factory):
 
 
 def test_forced_sm80_backward_goes_to_sm90_where_its_sm90_code_is_left_out(tables):
-    select, backward = tables[("80", "90")]
+    select, backward, _ = tables[("80", "90")]
     for d, dv in PAIRS:
         # The smallest SM90 pair holding (d, dv): (160, 128) runs on (192, 128).
         sm90_dims = min(h for h in (64, 96, 128, 192, 256) if h >= d)
@@ -102,23 +120,45 @@ def test_forced_sm80_backward_goes_to_sm90_where_its_sm90_code_is_left_out(table
 
 
 def test_a_build_for_sm90_alone_keeps_the_sm80_backward(tables):
-    select, backward = tables[("90",)]
+    select, backward, _ = tables[("90",)]
+    on_ampere = tables[("80", "90")][0]
     for d, dv in PAIRS:
         for slot in SLOTS:
-            assert select[(90, 80, d, dv, slot)] == select[(80, 80, d, dv, slot)], (d, dv, slot)
+            # Forced onto sm80 on Hopper: the SM80 kernels an A100 runs in the default build.
+            assert select[(90, 80, d, dv, slot)] == on_ampere[(80, 80, d, dv, slot)], (d, dv, slot)
             assert select[(90, 80, d, dv, slot)][0] == 80
     assert backward[(90, 128)] == [80, 90] and backward[(90, 32)] == [80]
 
 
 def test_the_trim_changes_no_call_that_names_no_family(tables):
-    """Without a forced family, and with sm90 forced, both builds choose the same kernels; on compute
-    capability 8.0 every choice is the same."""
+    """Without a forced family, and with sm90 forced, both builds choose the same kernels on compute
+    capability 9.0; on 8.0 the build for sm_90 alone has no code and chooses nothing."""
     trimmed, full = tables[("80", "90")][0], tables[("90",)][0]
     assert trimmed.keys() == full.keys()
     for key in trimmed:
         cc, arch = key[:2]
-        if cc == 80 or arch != 80:
+        if cc == 80:
+            assert full[key] is None and (trimmed[key] is not None or key[-1] != "fwd"), key
+        elif arch != 80:
             assert trimmed[key] == full[key], key
     # On Hopper every backward is the SM90 one.
     for d, dv in PAIRS:
         assert trimmed[(90, 0, d, dv, "bwd")][0] == 90, (d, dv)
+
+
+def test_a_gpu_the_build_has_no_code_for_gets_no_kernel(tables):
+    """sm_80 code runs on every 8.x GPU, sm_90a code on 9.0 alone; elsewhere (Turing, Blackwell, or
+    an A100 under a build for sm_90 alone) the registry chooses nothing and says why."""
+    expected = {("80", "90"): {75: False, 80: True, 86: True, 89: True, 90: True, 100: False, 120: False},
+                ("90",): {75: False, 80: False, 86: False, 89: False, 90: True, 100: False, 120: False}}
+    for archs, has in expected.items():
+        code = tables[archs][2]
+        assert code["targets"] == (["sm_80", "sm_90a"] if archs == ("80", "90") else ["sm_90a"])
+        for cc, ok in has.items():
+            assert code[cc][0] == ok, (archs, cc)
+            if ok:
+                assert code[cc][1] == ("90" if cc == 90 else "80"), (archs, cc)
+            else:
+                assert code[cc][1].startswith(f"error flashmask: this build has no device code for compute "
+                                              f"capability {cc // 10}.{cc % 10} (it carries "
+                                              f"{', '.join(code['targets'])})"), (archs, cc, code[cc])

@@ -24,3 +24,12 @@ def test_table_matches_the_family_each_call_selects():
             assert row == f"| {d if d == dv else (d, dv)} | " + " | ".join(cells) + " |"
         if (major, minor) == (9, 0) and 90 in _cuda.compiled_archs(128, dtype):
             assert "| 128 | sm90 | sm90 | sm90 |" in rows
+
+
+def test_the_build_has_code_for_this_gpu_and_names_its_targets():
+    """The GPU tests run where the build has code, so no call of theirs falls back for want of it."""
+    major, minor = torch.cuda.get_device_capability()
+    assert _cuda._C.has_code_for(major * 10 + minor) and _cuda.device_code_reason(major * 10 + minor) is None
+    assert _cuda.cuda_targets() and all(t.startswith("sm_") for t in _cuda.cuda_targets())
+    # Turing has code in no build: the reason names the targets.
+    assert not _cuda._C.has_code_for(75) and _cuda.cuda_targets()[0] in _cuda.device_code_reason(75)

@@ -167,7 +167,7 @@ def build_unsupported_reason(q: torch.Tensor, head_dim_v: Optional[int] = None) 
     if q.dtype not in compiled_dtypes():
         return f"this build compiled {compiled_dtypes()}, not {q.dtype} (rebuild with FLASHMASK_DTYPES)"
     # Eager calls only: under torch.compile the binding's own check raises the same reason.
-    if q.is_cuda and not torch.compiler.is_compiling():
+    if _C is not None and q.is_cuda and not torch.compiler.is_compiling():
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if index not in _device_reasons:
             major, minor = torch.cuda.get_device_capability(index)

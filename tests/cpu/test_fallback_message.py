@@ -70,3 +70,31 @@ def test_import_failure_text_is_not_a_circular_import_message():
     if _cuda._C is not None:
         pytest.skip("the extension is built here")
     assert "partially initialized" not in str(_cuda._IMPORT_ERROR)
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_a_gpu_without_device_code_falls_back_saying_why(monkeypatch):
+    """An A100 under a build for sm_90 alone: "auto" warns and takes the reference path, "cuda" raises,
+    both naming the compute capability, the GPU and the build's targets; the answer is kept per GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    asked = []
+    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(has_code_for=lambda cc: asked.append(cc) or cc == 90))
+    monkeypatch.setattr(_cuda, "_CUDA_TARGETS", ("sm_90a",))
+    monkeypatch.setattr(_cuda, "available", lambda: True)
+    monkeypatch.setattr(_cuda, "compiled_head_dim_pairs", lambda: ((64, 64),))
+    monkeypatch.setattr(_cuda, "compiled_dtypes", lambda: (torch.bfloat16,))
+    monkeypatch.setattr(_cuda, "_device_reasons", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100")
+    monkeypatch.setattr(flashmask.attention, "_warned", set())
+    reason = ("this build has no device code for compute capability 8.0 (NVIDIA A100): it carries sm_90a; "
+              "rebuild with FLASHMASK_ARCHS including 80")
+    with FakeTensorMode():
+        q = torch.empty(1, 8, 4, 64, device="cuda", dtype=torch.bfloat16)
+        with pytest.warns(UserWarning, match=re.escape(f"reference path (slow, O(Sq*Sk) memory) because {reason}")):
+            assert flashmask.attention.kernel_arch(q, q, q, "auto") is None
+        with pytest.raises(RuntimeError, match=re.escape(f"backend='cuda' cannot run: {reason}")):
+            flashmask.attention.kernel_arch(q, q, q, "cuda")
+    assert asked == [80]

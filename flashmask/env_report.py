@@ -52,9 +52,9 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _family_table(device: int, dtype: torch.dtype, pairs: List[Tuple[int, int]]) -> List[str]:
-    """Per compiled head-dim pair, the family each slot would run on (or the error the call would raise)."""
-    major, minor = torch.cuda.get_device_capability(device)
+def _family_table(device: int, cc: int, dtype: torch.dtype, pairs: List[Tuple[int, int]]) -> List[str]:
+    """Per compiled head-dim pair, the family each slot would run on GPU ``device`` of compute
+    capability ``cc`` (or the error the call would raise)."""
     name = str(dtype).replace("torch.", "")
     lines = [f"GPU {device}, {name}: the kernel family of each call",
              "| head dims | " + " | ".join(title for _, title in SLOTS) + " |", "|---" * (len(SLOTS) + 1) + "|"]
@@ -62,7 +62,7 @@ def _family_table(device: int, dtype: torch.dtype, pairs: List[Tuple[int, int]])
         cells = []
         for slot, _ in SLOTS:
             try:  # arch 0: the newest family the device runs, or FLASHMASK_ARCH, as a call would choose
-                cells.append(f"sm{_cuda._C.selected_arch(d, name, major * 10 + minor, 0, slot, dv)}")
+                cells.append(f"sm{_cuda._C.selected_arch(d, name, cc, 0, slot, dv)}")
             except RuntimeError as e:
                 cells.append(f"none: {str(e).splitlines()[0]}")
         lines.append(f"| {_dims((d, dv))} | " + " | ".join(cells) + " |")
@@ -76,11 +76,11 @@ def report() -> str:
              f"{platform.platform(terse=True)}",
              f"transformers {_transformers_version()}"]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ccs = [10 * major + minor for major, minor in map(torch.cuda.get_device_capability, range(gpus))]
     if not gpus:
         lines.append("GPU: none visible (torch.cuda.is_available() is False)")
-    for i in range(gpus):
-        major, minor = torch.cuda.get_device_capability(i)
-        lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)}, compute capability {major}.{minor}")
+    for i, cc in enumerate(ccs):
+        lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)}, compute capability {cc // 10}.{cc % 10}")
     set_vars = [f"{name}={os.environ[name]}" for name in RUNTIME_VARIABLES if name in os.environ]
     if set_vars:
         lines.append("environment: " + ", ".join(set_vars))
@@ -100,13 +100,12 @@ def report() -> str:
         return "\n".join(lines)
     if dtypes and pairs:
         dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]
-        for i in range(gpus):
-            major, minor = torch.cuda.get_device_capability(i)
-            missing = _cuda.device_code_reason(major * 10 + minor)
+        for i, cc in enumerate(ccs):
+            missing = _cuda.device_code_reason(cc)
             if missing:
                 lines.append(f"  GPU {i}: {missing}; its calls run on the reference path")
             else:
-                lines += [""] + _family_table(i, dtype, pairs)
+                lines += [""] + _family_table(i, cc, dtype, pairs)
     return "\n".join(lines)
 
 

@@ -18,8 +18,9 @@ namespace {
 const char* dtype_name(DType t) { return t == DType::fp16 ? "float16" : "bfloat16"; }
 
 // sm_90a code (wgmma, setmaxnreg) runs on compute capability 9.0 only; the mma.sync kernels on
-// anything from 8.0 that the build carries code for.
-bool runs_on(int arch, int cc) { return (arch == 90 ? cc == 90 : arch <= cc) && has_code_for(cc); }
+// anything from 8.0. Whether the build carries code for the device at all (has_code_for) is asked
+// once, where a choice starts.
+bool runs_on(int arch, int cc) { return arch == 90 ? cc == 90 : arch <= cc; }
 
 TileSizes tiles_of(const KernelSet& k) {
     if (k.arch == 90) {
@@ -162,6 +163,7 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, 
 std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v) {
     if (head_dim_v == 0) head_dim_v = head_dim;
     std::vector<int64_t> archs;
+    if (!has_code_for(int(cc))) return archs;
     for (const KernelSet& k : kKernelSets) {
         if (k.head_dim == head_dim && k.head_dim_v == head_dim_v && dtype == dtype_name(k.dtype) &&
             runs_on(k.arch, int(cc)) && has(k, Slot::bwd, int(cc)) && has(k, Slot::bwd_deterministic, int(cc)))

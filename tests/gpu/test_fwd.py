@@ -234,9 +234,10 @@ def test_binding_errors_with_numbers_raise():
         _cuda._C.fwd(q, q, q, mask, True, 1.0, 0)
 
 
-def test_layouts_the_kernels_cannot_take_raise_or_fall_back():
+def test_layouts_the_kernels_cannot_take_raise_or_fall_back(monkeypatch):
     """Each layout requirement flashmask_attention checks before a launch: backend="cuda" raises with
-    it, backend="auto" computes on the reference path."""
+    it, backend="auto" warns with it and computes on the reference path."""
+    monkeypatch.setattr(flashmask.attention, "_warned", set())  # it warns once per reason and process
     dtype, d = DTYPES[0], HEAD_DIMS[0]
     k = torch.randn(1, 64, 2, d, device="cuda", dtype=dtype)
     bad = {
@@ -250,7 +251,8 @@ def test_layouts_the_kernels_cannot_take_raise_or_fall_back():
     for why, q in bad.items():
         with pytest.raises(RuntimeError, match=why):
             flashmask.flashmask_attention(q, k, k, causal=True, backend="cuda")
-        out, lse = flashmask.flashmask_attention(q, k, k, causal=True, return_lse=True)
+        with pytest.warns(UserWarning, match=why):
+            out, lse = flashmask.flashmask_attention(q, k, k, causal=True, return_lse=True)
         assert_close_to_reference(out, lse, q, k, k, None, True)
     out, lse = flashmask.flashmask_attention(k, k, k, causal=True, return_lse=True, backend="cuda")  # the control
     assert_close_to_reference(out, lse, k, k, k, None, True)

@@ -14,7 +14,9 @@ import torch
 import flashmask
 import masks
 from flashmask import _cuda
+from flashmask import distributed as fmd
 from flashmask.reference import reference_attention
+from masks.examples import example
 from masks.format import to_dense
 from tests.attn_helpers import (
     SINK_LSE_RTOL,
@@ -167,11 +169,12 @@ def option_grads(fn, q, k, v, sinks, dout, dlse, loss):
 
 
 def check_backward(q, k, v, mask, causal, softcap=0.0, sinks=None, *, loss="both", deterministic=False, dout=None,
-                   dlse=None, sensitive=("softcap", "sinks"), scale=None):
-    """dQ, dK, dV and dsinks of the kernels (through flashmask_attention on the forced family) against
-    autograd on the float32 reference path, each within ``error_bound`` of the half-precision
-    computation's error; rows that see no key get dQ = 0. The reference's dQ, dK, dV without each
-    option named in ``sensitive`` fail those bounds. Returns the kernels' gradients."""
+                   dlse=None, sensitive=("softcap", "sinks"), scale=None, run=None):
+    """dQ, dK, dV and dsinks of the kernels (through flashmask_attention on the forced family, or
+    ``run(q, k, v, sinks) -> (out, lse)``) against autograd on the float32 reference path, each within
+    ``error_bound`` of the half-precision computation's error; rows that see no key get dQ = 0. The
+    reference's dQ, dK, dV without each option named in ``sensitive`` fail those bounds. Returns the
+    kernels' gradients."""
     cuda_cases.skip_unless_backend_serves(q)
     b, sq, hq = q.shape[:3]
     dout = torch.randn(b, sq, hq, v.shape[-1], device="cuda", dtype=q.dtype) if dout is None else dout
@@ -188,7 +191,7 @@ def check_backward(q, k, v, mask, causal, softcap=0.0, sinks=None, *, loss="both
         return lambda a, b_, c, s: reference_attention(a.float(), b_.float(), c.float(), mask, causal=causal,
                                                        softmax_scale=scale, softcap=cap, sinks=s)
 
-    got = option_grads(kernels, q, k, v, sinks, dout, dlse, loss)
+    got = option_grads(kernels if run is None else run, q, k, v, sinks, dout, dlse, loss)
     ref = option_grads(reference(softcap), q, k, v, sinks32, dout, dlse, loss)
     low = option_grads(lambda a, b_, c, s: low_precision_attention(a, b_, c, mask, causal, scale, softcap, s),
                        q, k, v, sinks32, dout, dlse, loss)
@@ -460,6 +463,34 @@ def test_split_kv_chosen_by_the_binding(option):
     q, k, v, softcap, sinks = case_inputs(option, i, (1, 4, 2048, 4, 2), main_head_dim(), pick(DTYPES, i), mask, True)
     check_forward(q, k, v, mask, True, softcap, sinks)
     check_backward(q, k, v, mask, True, softcap, sinks)
+
+
+# --- context parallelism ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("mode", fmd.MODES)
+def test_context_parallel_one_process(mode, option):
+    """Both context-parallel modes on one process (the plan's shard is a permutation of the rows): the
+    kernels' output and gradients, the sinks' included, through the plan against the reference."""
+    i = OPTIONS.index(option)
+    mask, causal = example(pick(["causal_document", "share_question"], i), 600, batch_size=2, device="cuda")
+    q, k, v, softcap, sinks = case_inputs(option, i, (2, 600, 600, 6, 2), main_head_dim(), pick(DTYPES, i), mask,
+                                          causal)
+    cuda_cases.skip_unless_backend_serves(q)
+    plan = fmd.make_plan(mask, causal, mode=mode, align=8)
+    rows = torch.argsort(plan.local_index.to("cuda"))  # the shard's rows back in token order
+
+    def run(a, b_, c, s):
+        out = fmd.context_parallel_attention(plan.shard(a), plan.shard(b_), plan.shard(c), plan, softcap=softcap,
+                                             sinks=s, backend=cuda_cases.BACKEND)
+        return out.index_select(1, rows), None
+
+    out = run(q, k, v, sinks)[0]
+    ref = reference_attention(q.float(), k.float(), v.float(), mask, causal=causal, softcap=softcap,
+                              sinks=None if sinks is None else sinks.float())[0]
+    low = low_precision_attention(q, k, v, mask, causal, None, softcap, sinks)[0]
+    assert max_err(out, ref) <= error_bound(low, ref), f"out error {max_err(out, ref):.3e}"
+    check_backward(q, k, v, mask, causal, softcap, sinks, loss="out", run=run)
 
 
 # --- unequal head dims -------------------------------------------------------------------------------------

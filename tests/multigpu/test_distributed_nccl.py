@@ -7,10 +7,11 @@ Each case builds the whole problem on every rank (same seed), runs
 * one GPU's kernels on the whole sequence (``flashmask_attention(backend="cuda")``);
 * both context-parallel modes on the rank's shard with ``backend="cuda"``;
 
-and asserts, on the rank's rows of out, dq, dk and dv, the bound of the GPU tests
-(attn_helpers.error_bound): error vs the float32 reference at most 2x the half-precision
-baseline's plus a small epsilon. It also reports the largest difference between
-the context-parallel result and the single-GPU kernels.
+and asserts, on the rank's rows of out, dq, dk and dv (and on the sinks' gradient, the ranks' shares
+summed), the bound of the GPU tests (attn_helpers.error_bound): error vs the float32 reference at
+most 2x the half-precision baseline's plus a small epsilon. It also reports the largest difference
+between the context-parallel result and the single-GPU kernels. Cases whose head dims or dtype the
+build lacks are skipped and listed.
 
 Run from the checkout's root (2 GPUs)::
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -44,7 +46,8 @@ from tests.attn_helpers import error_bound, low_precision_attention, max_err, ra
 
 
 def cases(tiny: bool):
-    """(name, spec): every mode x mask family, GQA, mask heads 1/Hk/Hq, bf16 and fp16."""
+    """(name, spec): every mode x mask family, GQA, mask heads 1/Hk/Hq, bf16 and fp16, head dims
+    (192, 128), soft-capping and sinks."""
     s = 256 if tiny else 4096
     d = 16 if tiny else 128
     out = []
@@ -63,6 +66,19 @@ def cases(tiny: bool):
                                                         s=s, d=d, dtype="float16")))
         out.append((f"{mode}-mqa-d64-share_question", dict(mode=mode, family="share_question", hq=8, hk=1, hm=1, b=1,
                                                           s=s, d=64 if not tiny else 8, dtype="bfloat16")))
+        # DeepSeek-V3's head dims (192, 128), logit soft-capping and attention sinks (the sinks'
+        # gradient is each rank's share, summed over the group)
+        out.append((f"{mode}-mla-causal_document", dict(mode=mode, family="causal_document", hq=8, hk=2, hm=1, b=1,
+                                                        s=s, d=192 if not tiny else 24, dv=128 if not tiny else 16,
+                                                        dtype="bfloat16")))
+        out.append((f"{mode}-softcap-document", dict(mode=mode, family="document", hq=8, hk=2, hm=1, b=1, s=s, d=d,
+                                                     dtype="bfloat16", softcap=30.0)))
+        out.append((f"{mode}-sinks-random-causal1-C2-hm_hq", dict(mode=mode, family="random", causal=True, c=2, hq=8,
+                                                                  hk=2, hm="hq", b=2, s=s // 2, d=d,
+                                                                  dtype="bfloat16", sinks=True)))
+        out.append((f"{mode}-softcap-sinks-fp16-share_question", dict(mode=mode, family="share_question", hq=8, hk=2,
+                                                                      hm=1, b=1, s=s, d=d, dtype="float16",
+                                                                      softcap=50.0, sinks=True)))
     out.append(("allgather_kv-8chunks-causal_document", dict(mode="allgather_kv", family="causal_document", hq=8, hk=2,
                                                              hm=1, b=1, s=s, d=d, dtype="bfloat16", chunks_per_rank=4)))
     if not tiny:
@@ -78,10 +94,25 @@ def _grads(fn, leaves, dout):
     return out.detach(), g
 
 
+def _inputs(spec, device, dtype):
+    """q, k, v, dout and the sinks (float32 ``[Hq]`` or None) of a case, from the seeded generator. With
+    ``softcap`` q is scaled so that the scores reach the cap (std softcap / 3); the sinks sit about the
+    rows' LSE, one far above it (its rows' output nearly 0) and one far below (no effect)."""
+    b, s, hq, hk, d = spec["b"], spec["s"], spec["hq"], spec["hk"], spec["d"]
+    dv, softcap = spec.get("dv", d), spec.get("softcap", 0.0)
+    q = (torch.randn(b, s, hq, d, device=device) * (softcap / 3 if softcap else 1.0)).to(dtype)
+    k, v, dout = (torch.randn(b, s, h, x, device=device, dtype=dtype) for h, x in ((hk, d), (hk, dv), (hq, dv)))
+    sinks = None
+    if spec.get("sinks"):
+        sinks = torch.randn(hq, device=device) * 2 + math.log(s / 4)
+        sinks[0], sinks[-1] = 30.0, -1e4
+    return q, k, v, dout, sinks
+
+
 def run_case(spec, world, rank, device, kernel_backend, seed):
     torch.manual_seed(seed)
     dtype = getattr(torch, spec["dtype"])
-    b, s, hq, hk, d = spec["b"], spec["s"], spec["hq"], spec["hk"], spec["d"]
+    b, s, hq, hk = spec["b"], spec["s"], spec["hq"], spec["hk"]
     if spec["family"] == "random":
         g = torch.Generator().manual_seed(seed)
         causal, c = spec["causal"], spec["c"]
@@ -91,40 +122,62 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
         mask, causal = example(spec["family"], s, batch_size=b, device=device)
         if spec["family"] in ("causal", "full"):
             mask = None
-    q, k, v, dout = (torch.randn(b, s, h, d, device=device, dtype=dtype) for h in (hq, hk, hk, hq))
-    leaves = (q, k, v)
+    q, k, v, dout, sinks = _inputs(spec, device, dtype)
+    softcap = spec.get("softcap", 0.0)
+    leaves = (q, k, v) + (() if sinks is None else (sinks,))
+    names = ("out", "dq", "dk", "dv", "dsinks")[:len(leaves) + 1]
     # one GPU: the kernels on the whole sequence
-    one, one_g = _grads(lambda a, b_, c_: flashmask_attention(a, b_, c_, mask, causal=causal, backend=kernel_backend),
+    one, one_g = _grads(lambda a, b_, c_, *sk: flashmask_attention(a, b_, c_, mask, causal=causal, softcap=softcap,
+                                                                   sinks=sk[0] if sk else None,
+                                                                   backend=kernel_backend),
                         leaves, dout)
-    # context parallel
+    # context parallel; the sinks are every rank's whole [Hq], their gradient this rank's share
     plan = fmd.make_plan(mask, causal, s, mode=spec["mode"], align=128 if s >= 2048 else 8,
                          num_chunks=world * spec["chunks_per_rank"] if "chunks_per_rank" in spec else None)
-    loc = [plan.shard(t) for t in leaves]
-    cp, cp_g = _grads(lambda a, b_, c_: fmd.context_parallel_attention(a, b_, c_, plan, backend=kernel_backend),
+    loc = [plan.shard(t) for t in leaves[:3]] + list(leaves[3:])
+    cp, cp_g = _grads(lambda a, b_, c_, *sk: fmd.context_parallel_attention(a, b_, c_, plan, softcap=softcap,
+                                                                           sinks=sk[0] if sk else None,
+                                                                           backend=kernel_backend),
                       loc, plan.shard(dout))
+    if sinks is not None:
+        dist.all_reduce(cp_g[3])
+
+    def rows(x, name):  # this rank's rows of a whole-sequence result; the sinks' gradient is not per token
+        return x if name == "dsinks" else plan.shard(x)
+
     res = {"imbalance": round(plan.imbalance, 4)}
-    diff = [max_err(cp, plan.shard(one))] + [max_err(x, plan.shard(y)) for x, y in zip(cp_g, one_g)]
-    res["max_diff_vs_one_gpu"] = max(diff)
+    res["max_diff_vs_one_gpu"] = max(max_err(x, rows(y, n)) for n, x, y in zip(names, (cp,) + cp_g, (one,) + one_g))
     assert not torch.isnan(cp).any() and not any(torch.isnan(x).any() for x in cp_g), "NaN"
     if spec.get("no_ref"):
         # too long for the O(S^2) reference: the single-GPU kernels are the oracle, within the
         # rounding of the inputs' dtype relative to the values' scale
-        for name, x, y in zip(("out", "dq", "dk", "dv"), (cp,) + tuple(cp_g), (one,) + tuple(one_g)):
+        for name, x, y in zip(names, (cp,) + cp_g, (one,) + one_g):
             scale = max(y.abs().max().item(), 1e-2)
-            assert max_err(x, plan.shard(y)) <= 2e-2 * scale, f"{name} differs from one GPU"
+            assert max_err(x, rows(y, name)) <= 2e-2 * scale, f"{name} differs from one GPU"
         return res
-    ref, ref_g = _grads(lambda a, b_, c_: reference_attention(a.float(), b_.float(), c_.float(), mask,
-                                                              causal=causal)[0],
+    ref, ref_g = _grads(lambda a, b_, c_, *sk: reference_attention(a.float(), b_.float(), c_.float(), mask,
+                                                                   causal=causal, softcap=softcap,
+                                                                   sinks=sk[0] if sk else None)[0],
                         leaves, dout)
-    low, low_g = _grads(lambda a, b_, c_: low_precision_attention(a, b_, c_, mask, causal)[0], leaves, dout)
-    for name, x, r, lo, o in zip(("out", "dq", "dk", "dv"), (cp,) + tuple(cp_g), (ref,) + tuple(ref_g),
-                                 (low,) + tuple(low_g), (one,) + tuple(one_g)):
-        bound = error_bound(lo, r)
-        err = max_err(x, plan.shard(r))
+    low, low_g = _grads(lambda a, b_, c_, *sk: low_precision_attention(a, b_, c_, mask, causal, None, softcap,
+                                                                       sk[0] if sk else None)[0],
+                        leaves, dout)
+    for name, x, r, lo, o in zip(names, (cp,) + cp_g, (ref,) + ref_g, (low,) + low_g, (one,) + one_g):
+        # the sinks' gradient comes from the output stored in the inputs' dtype
+        bound = error_bound(lo, r, ulp=torch.finfo(dtype).eps if name == "dsinks" else None)
+        err = max_err(x, rows(r, name))
         res[f"{name}_err"], res[f"{name}_bound"] = err, bound
-        res[f"{name}_err_one_gpu"] = max_err(plan.shard(o), plan.shard(r))
+        res[f"{name}_err_one_gpu"] = max_err(rows(o, name), rows(r, name))
         assert err <= bound, f"{name} error {err:.3e} > bound {bound:.3e} (one GPU: {res[f'{name}_err_one_gpu']:.3e})"
     return res
+
+
+def _unserved(spec):
+    """Why this build's kernels cannot run a case (its head dims or dtype not compiled), else None."""
+    d, dv, dtype = spec["d"], spec.get("dv", spec["d"]), getattr(torch, spec["dtype"])
+    if dtype in _cuda.compiled_dtypes() and any(d <= p[0] and dv <= p[1] for p in _cuda.compiled_head_dim_pairs()):
+        return None
+    return f"this build has no kernel for head dims ({d}, {dv}), {spec['dtype']}"
 
 
 def worker(rank, world, init, outdir, device_type, tiny, only=None):
@@ -147,6 +200,10 @@ def worker(rank, world, init, outdir, device_type, tiny, only=None):
             if only and not any(o in name for o in only):
                 continue
             t = time.perf_counter()
+            why = _unserved(spec) if device.type == "cuda" else None
+            if why:
+                results[name] = {"ok": True, "skipped": why}
+                continue
             try:
                 res = run_case(spec, world, rank, device, kernel_backend, seed=100 + i)
                 results[name] = {"ok": True, **res, "s": round(time.perf_counter() - t, 2)}
@@ -163,7 +220,9 @@ def worker(rank, world, init, outdir, device_type, tiny, only=None):
             print(f"{len(results)} cases in {time.perf_counter() - t0:.1f} s on {world} ranks "
                   f"({backend}, kernels: {kernel_backend})")
             for name, r in results.items():
-                if r["ok"]:
+                if "skipped" in r:
+                    print(f"  skip {name:45s} {r['skipped']}")
+                elif r["ok"]:
                     errs = " ".join(f"{k[:-4]} {r[k]:.2e}/{r[k[:-4] + '_bound']:.2e}" for k in r
                                     if k.endswith("_err"))
                     print(f"  ok   {name:45s} vs 1 GPU {r['max_diff_vs_one_gpu']:.2e}  imbalance "
@@ -203,8 +262,9 @@ def test_two_gpus_nccl_kernels_match_one_gpu():
 def test_cpu_dry_run_of_the_gpu_script():
     """The same cases with gloo and the reference path at tiny sizes (keeps the GPU script runnable)."""
     out = spawn(2, "cpu", tiny=True, only=["allgather_kv-causal_document", "ulysses-share_question",
-                                           "random-causal0-C4-hm_hq", "mqa", "8chunks"])
-    assert len(out) >= 6
+                                           "random-causal0-C4-hm_hq", "mqa", "8chunks", "allgather_kv-mla",
+                                           "ulysses-softcap-sinks", "allgather_kv-sinks"])
+    assert len(out) >= 9
     fails = _failures(out)
     assert not fails, "\n".join(f"{n}:\n{e}" for n, es in fails.items() for e in es)
 

@@ -1,5 +1,6 @@
-// Pieces both backward kernels share: the pointers of a (batch, head), the shared->register copies
-// of their GEMMs, and the per-element steps P = exp(S - LSE) and dS = P (dP - D).
+// Pieces both backward kernels share: the pointers of a (batch, head), the global->shared loads
+// of its tiles, the shared->register copies of their GEMMs, and the per-element steps
+// P = exp(S - LSE) and dS = P (dP - D).
 #pragma once
 #include <cute/tensor.hpp>
 
@@ -39,6 +40,62 @@ template <typename Tile, typename Element>
 __forceinline__ __device__ auto gmem_rows(const Element* base, int64_t stride, int row0) {
     return make_tensor(make_gmem_ptr(base + int64_t(row0) * stride), Tile{}, make_stride(stride, _1{}));
 }
+
+// The zero-filling global -> shared copies of a (batch, head)'s row tiles: Q and K rows are p.d
+// wide, dO and V rows p.d_v. Each takes the tile's first row and how many rows from it exist.
+template <typename Traits>
+struct BwdGmemLoads {
+    using Element = typename Traits::Element;
+    using CopyQK = typename Traits::GmemTiledCopy;
+    using CopyV = typename Traits::CopiesV::GmemTiledCopy;
+    template <typename Copy>
+    using Thr = decltype(std::declval<Copy&>().get_thread_slice(0));
+    template <typename Copy, typename Tile>
+    using Coords = decltype(std::declval<Thr<Copy>&>().partition_S(make_identity_tensor(Tile{})));
+
+    CopyQK qk;
+    CopyV v_do;
+    Thr<CopyQK> thr_qk;
+    Thr<CopyV> thr_v_do;
+    // Each thread's (row, column) of its vectors, which decide what is zero-filled.
+    Coords<CopyQK, typename Traits::TileKV> k_coords;
+    Coords<CopyQK, typename Traits::TileQ> q_coords;
+    Coords<CopyV, typename Traits::TileV> v_coords;
+    Coords<CopyV, typename Traits::TileDO> do_coords;
+    const BwdHead<Element>& head;
+    const BwdParams& p;
+
+    __forceinline__ __device__ BwdGmemLoads(const BwdHead<Element>& head_, const BwdParams& p_, int tidx)
+        : thr_qk(qk.get_thread_slice(tidx)),
+          thr_v_do(v_do.get_thread_slice(tidx)),
+          k_coords(thr_qk.partition_S(make_identity_tensor(typename Traits::TileKV{}))),
+          q_coords(thr_qk.partition_S(make_identity_tensor(typename Traits::TileQ{}))),
+          v_coords(thr_v_do.partition_S(make_identity_tensor(typename Traits::TileV{}))),
+          do_coords(thr_v_do.partition_S(make_identity_tensor(typename Traits::TileDO{}))),
+          head(head_),
+          p(p_) {}
+
+    template <typename Smem>
+    __forceinline__ __device__ void q(int row0, Smem&& dst, int rows) const {
+        copy_zfill(qk, thr_qk.partition_S(gmem_rows<typename Traits::TileQ>(head.q, p.q_row_stride, row0)),
+                   thr_qk.partition_D(dst), q_coords, rows, p.d);
+    }
+    template <typename Smem>
+    __forceinline__ __device__ void k(int row0, Smem&& dst, int rows) const {
+        copy_zfill(qk, thr_qk.partition_S(gmem_rows<typename Traits::TileKV>(head.k, p.k_row_stride, row0)),
+                   thr_qk.partition_D(dst), k_coords, rows, p.d);
+    }
+    template <typename Smem>
+    __forceinline__ __device__ void dout(int row0, Smem&& dst, int rows) const {
+        copy_zfill(v_do, thr_v_do.partition_S(gmem_rows<typename Traits::TileDO>(head.dout, p.do_row_stride, row0)),
+                   thr_v_do.partition_D(dst), do_coords, rows, p.d_v);
+    }
+    template <typename Smem>
+    __forceinline__ __device__ void v(int row0, Smem&& dst, int rows) const {
+        copy_zfill(v_do, thr_v_do.partition_S(gmem_rows<typename Traits::TileV>(head.v, p.v_row_stride, row0)),
+                   thr_v_do.partition_D(dst), v_coords, rows, p.d_v);
+    }
+};
 
 // The ldmatrix copies (and this thread's slices) of S = Q K^T and dP = dO V^T (sdp), dQ = dS K (q),
 // and the accumulator -> shared stores of P and dS (c).

@@ -26,9 +26,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
     constexpr int kBlockN = Traits::kBlockN;
     constexpr bool Has_mask = kMaskC > 0;
     using TileQ = typename Traits::TileQ;
-    using TileKV = typename Traits::TileKV;
-    using TileDO = typename Traits::TileDO;
-    using TileV = typename Traits::TileV;
     using TileS = typename Traits::TileS;
 
     extern __shared__ __align__(128) char smem[];
@@ -38,7 +35,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
     const int b = blockIdx.z;
     const int r0 = m_block * kBlockM;
     const int r1 = min(r0 + kBlockM, p.sq);
-    const int d_v = p.d_v;  // the value head dim
 
     const MaskHead mask = mask_head(p, b, h);
     const KeyBlockWalk<kBlockN, Is_causal, Has_mask> walk{mask.bounds, r0, r1, p.sk, p.sk - p.sq};
@@ -68,19 +64,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
     BlockBounds bnd = walk.bounds_of(walk.end() - 1);
     int n_block = walk.visible_at_or_below(walk.end() - 1, bnd);
     if (n_block >= 0) {
-        // Q and K rows are p.d wide, dO and V rows d_v.
-        typename Traits::GmemTiledCopy gmem_copy;
-        auto gmem_thr = gmem_copy.get_thread_slice(tidx);
-        typename Traits::CopiesV::GmemTiledCopy gmem_copy_v;
-        auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
-        Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(TileKV{}));
-        Tensor tQc = gmem_thr.partition_S(make_identity_tensor(TileQ{}));
-        Tensor tVc = gmem_thr_v.partition_S(make_identity_tensor(TileV{}));
-        Tensor tdOc = gmem_thr_v.partition_S(make_identity_tensor(TileDO{}));
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.q, p.q_row_stride, r0)),
-                   gmem_thr.partition_D(sQ), tQc, r1 - r0, p.d);
-        copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gmem_rows<TileDO>(head.dout, p.do_row_stride, r0)),
-                   gmem_thr_v.partition_D(sdO), tdOc, r1 - r0, d_v);
+        const BwdGmemLoads<Traits> load(head, p, tidx);
+        load.q(r0, sQ, r1 - r0);
+        load.dout(r0, sdO, r1 - r0);
 
         const BwdSmemCopies<Traits> cp(tidx);
         Tensor tSsQ = cp.thr_sdp_a.partition_S(sQ);
@@ -103,10 +89,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdP
             const int c0 = n_block * kBlockN;
             const TileCompare compare = walk.compare(n_block, bnd);
             bnd = walk.bounds_of(n_block - 1);  // used after the GEMMs, which hide the load
-            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)),
-                       gmem_thr.partition_D(sK), tKVc, p.sk - c0, p.d);
-            copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gmem_rows<TileV>(head.v, p.v_row_stride, c0)),
-                       gmem_thr_v.partition_D(sV), tVc, p.sk - c0, d_v);
+            load.k(c0, sK, p.sk - c0);
+            load.v(c0, sV, p.sk - c0);
             if (Has_mask && compare.intervals) {
                 stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask.cols, c0, p.sk, tidx);
             }

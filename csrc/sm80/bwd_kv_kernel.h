@@ -33,7 +33,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     constexpr bool Has_mask = kMaskC > 0;
     using TileQ = typename Traits::TileQ;
     using TileKV = typename Traits::TileKV;
-    using TileDO = typename Traits::TileDO;
     using TileV = typename Traits::TileV;
     using TileS = typename Traits::TileS;
 
@@ -50,7 +49,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     const int c0 = n_block * kBlockN;
     const int m_end = (p.sq + kBlockM - 1) / kBlockM;
     const int causal_offset = p.sk - p.sq;
-    const int d_v = p.d_v;  // the value head dim
 
     Element* smem_k = reinterpret_cast<Element*>(smem);
     Element* smem_v = smem_k + cosize_v<typename Traits::SmemLayoutKV>;
@@ -97,15 +95,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     const BwdHead<Element> head(p, b, h);
 
     if (m_block < m_end) {
-        // Q and K rows are p.d wide, dO and V rows d_v.
-        typename Traits::GmemTiledCopy gmem_copy;
-        auto gmem_thr = gmem_copy.get_thread_slice(tidx);
-        typename Traits::CopiesV::GmemTiledCopy gmem_copy_v;
-        auto gmem_thr_v = gmem_copy_v.get_thread_slice(tidx);
-        Tensor tKVc = gmem_thr.partition_S(make_identity_tensor(TileKV{}));
-        Tensor tQc = gmem_thr.partition_S(make_identity_tensor(TileQ{}));
-        Tensor tVc = gmem_thr_v.partition_S(make_identity_tensor(TileV{}));
-        Tensor tdOc = gmem_thr_v.partition_S(make_identity_tensor(TileDO{}));
+        const BwdGmemLoads<Traits> load(head, p, tidx);
         auto sQ_at = [&](int stage) {
             return make_tensor(make_smem_ptr(smem_q + stage * cosize_v<typename Traits::SmemLayoutQ>),
                                typename Traits::SmemLayoutQ{});
@@ -115,11 +105,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
                                typename Traits::SmemLayoutDO{});
         };
         auto load_q_do = [&](int m, int stage) {
-            const int rows = p.sq - m * kBlockM;
-            copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileQ>(head.q, p.q_row_stride, m * kBlockM)),
-                       gmem_thr.partition_D(sQ_at(stage)), tQc, rows, p.d);
-            copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gmem_rows<TileDO>(head.dout, p.do_row_stride, m * kBlockM)),
-                       gmem_thr_v.partition_D(sdO_at(stage)), tdOc, rows, d_v);
+            load.q(m * kBlockM, sQ_at(stage), p.sq - m * kBlockM);
+            load.dout(m * kBlockM, sdO_at(stage), p.sq - m * kBlockM);
         };
         // LSE and D of query block m (single-buffered: loaded once the previous block's are used).
         auto load_rows = [&](int m) {
@@ -133,11 +120,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
                     smem_rows[tidx] = is_d ? 0.f : INFINITY;  // P = 0 on rows past the end
             }
         };
-        const int n_valid = p.sk - c0;
-        copy_zfill(gmem_copy, gmem_thr.partition_S(gmem_rows<TileKV>(head.k, p.k_row_stride, c0)),
-                   gmem_thr.partition_D(sK), tKVc, n_valid, p.d);
-        copy_zfill(gmem_copy_v, gmem_thr_v.partition_S(gmem_rows<TileV>(head.v, p.v_row_stride, c0)),
-                   gmem_thr_v.partition_D(sV), tVc, n_valid, d_v);
+        load.k(c0, sK, p.sk - c0);
+        load.v(c0, sV, p.sk - c0);
         if (Has_mask) stage_mask_columns<kBlockN, kMaskC, Traits::kNThreads>(smem_mask, mask.cols, c0, p.sk, tidx);
         load_q_do(m_block, 0);
         load_rows(m_block);
@@ -248,7 +232,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kv_kernel(const BwdP
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::GmemTiledCopyOut, Element>(acc_dk, mma_kv, sK, gdK,
                                                                                            p.sk - c0, p.d, tidx);
     store_tile<typename Traits::SmemCopyAtomC, typename Traits::CopiesV::GmemTiledCopyOut, Element>(
-        acc_dv, mma_kv, sV, gdV, p.sk - c0, d_v, tidx);
+        acc_dv, mma_kv, sV, gdV, p.sk - c0, p.d_v, tidx);
 #endif
 }
 

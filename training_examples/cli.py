@@ -121,8 +121,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.mlp_chunk = MLP_CHUNK_TOKENS if args.offload != "off" else 0
     if args.mlp_chunk < 0:
         p.error("--mlp-chunk must be >= 0 (0: off)")
-    if world > 1 and args.sliding_window is not None:
-        p.error("--sliding-window is not supported with several processes (context parallelism)")
     for name in ("max_length", "batch_size", "steps", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

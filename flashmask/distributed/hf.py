@@ -21,8 +21,10 @@ The plan (mask, causal flag, process group, chunk layout) is read from :func:`se
 describe the local shard, not the sequence. The mask function registered for the name is the
 flashmask backend's (:func:`flashmask.integrations.transformers.padding_mask_function`): no dense
 mask is built. Logit soft-capping (``softcap``, Gemma 2) and attention sinks (``s_aux``, GPT-OSS) are
-passed through. Not supported (raises): padding masks, KV caches, sliding windows shorter than the
-row, dropout.
+passed through, and a layer's ``sliding_window`` (Mistral, Gemma 2/3, GPT-OSS) runs on the plan
+with the window merged into its mask (:meth:`ContextParallelPlan.windowed`, made once per batch and
+window), checked against the batch's position ids as the ``fm_colmask`` backend does. Not supported
+(raises): padding masks, KV caches, dropout, sliding windows on non-causal attention.
 
 The name contains none of "flash", "sdpa", "flex_attention" (transformers 5.x reserves them).
 """
@@ -92,9 +94,6 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     for name in ("head_mask", "position_bias", "cache"):
         if kwargs.get(name) is not None:
             raise _unsupported(name)
-    sw = kwargs.get("sliding_window")
-    if sw is not None and int(sw) < plan.seqlen:
-        raise _unsupported(f"a sliding window ({sw} < S={plan.seqlen}); merge it into the mask before planning")
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
             raise _unsupported("an attention_mask (padding or 4-D); pack with a padding document instead")
@@ -106,6 +105,19 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if query.shape[2] != plan.local_len or key.shape[2] != plan.local_len:
         raise ValueError(f"the layer got {query.shape[2]} queries and {key.shape[2]} keys but the plan gives "
                          f"{plan.local_len} tokens per rank (a KV cache, or a batch not sharded with this plan?)")
+    sw = kwargs.get("sliding_window")
+    if sw is not None and int(sw) < plan.seqlen:  # transformers: query i sees key j iff i - sw < j <= i
+        if not causal:
+            raise _unsupported("a sliding window on a non-causal (bidirectional) attention")
+        if int(sw) < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sw}")
+        if plan.position_ids is not None and plan.startend_row_indices is not None:
+            fm_hf._check_window_positions(plan.startend_row_indices, plan.position_ids, int(sw),
+                                          plan.startend_row_indices, unsupported=_unsupported)
+        try:
+            plan = plan.windowed((int(sw) - 1, 0), batch_size=query.shape[0])
+        except ValueError as e:
+            raise _unsupported(f"sliding_window={sw} on this plan's mask: {e}") from None
     softcap, sinks = fm_hf.softcap_and_sinks(kwargs)
     out = context_parallel_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan,
                                      softmax_scale=scaling, backend=_state["backend"],

@@ -17,14 +17,15 @@ per-token tensor (input ids, position ids, shifted labels) with ``x[:, plan.loca
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from flashmask.distributed import _comm
 from flashmask.distributed.balance import Balance, balance_chunks
 from flashmask.distributed.intervals import slice_rows
+from masks.convert import merge_window, window_to_startend
 from masks.format import check_tensor as check_mask_tensor
 
 MODES = ("ulysses", "allgather_kv")
@@ -49,6 +50,9 @@ class ContextParallelPlan:
             ``[r0, r1)`` (all-gather-KV only).
         chunk_masks: the non-causal mask of each own chunk, columns in all-gather order
             (``None`` where no mask is needed).
+        position_ids: the batch's global ``[B, S]`` position ids where known
+            (:func:`~flashmask.distributed.shard_packed_batch` sets them), to check that a sliding
+            window means the same in positions as in token indices; else ``None``.
     """
 
     mode: str
@@ -62,6 +66,8 @@ class ContextParallelPlan:
     balance: Optional[Balance] = None
     chunks: List[Tuple[int, int, int, int]] = field(default_factory=list)
     chunk_masks: List[Optional[torch.Tensor]] = field(default_factory=list)
+    position_ids: Optional[torch.Tensor] = None
+    _windowed: Dict[tuple, "ContextParallelPlan"] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def local_len(self) -> int:
@@ -83,7 +89,29 @@ class ContextParallelPlan:
         if self.startend_row_indices is not None and self.startend_row_indices.device != device:
             self.startend_row_indices = move(self.startend_row_indices)
         self.chunk_masks = [m if m is None or m.device == device else move(m) for m in self.chunk_masks]
+        if self.position_ids is not None and self.position_ids.device != device:
+            self.position_ids = move(self.position_ids)
         return self
+
+    def windowed(self, window_size: Tuple[int, int], batch_size: int = 1) -> "ContextParallelPlan":
+        """This plan under its mask intersected with the flash-attn window ``window_size``
+        (``(left, right)``, ``-1`` unbounded; :func:`masks.merge_window`), for the sliding-window
+        layers of a model: the same ranks hold the same tokens, so only the masks change (the
+        chunks stay balanced for the plan's own mask). ``batch_size`` is the mask's batch where the
+        plan has no mask. Made once per window and kept; raises ``ValueError`` where the window
+        and a C=2 causal or C=4 mask together need more column intervals than the mask has."""
+        key = (int(window_size[0]), int(window_size[1]), int(batch_size))
+        if key not in self._windowed:
+            mask = self.startend_row_indices
+            if mask is None:
+                mask = window_to_startend(key[:2], self.seqlen, self.seqlen, self.causal, batch_size=key[2],
+                                          device=self.local_index.device)
+            else:
+                mask = merge_window(mask, self.causal, key[:2], self.seqlen)
+            chunk_masks = [] if self.balance is None else _chunk_masks(mask, self.causal, self.seqlen, self.balance,
+                                                                      self.rank)
+            self._windowed[key] = replace(self, startend_row_indices=mask, chunk_masks=chunk_masks, _windowed={})
+        return self._windowed[key]
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part of a per-token tensor whose ``dim`` has length ``S``."""
@@ -158,12 +186,22 @@ def make_plan(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen
         return ContextParallelPlan(mode, group, world, rank, seqlen, bool(causal), startend_row_indices,
                                    torch.arange(rank * n, (rank + 1) * n, device=dev))
     bal = balance_chunks(startend_row_indices, causal, seqlen, world, num_chunks, align, strategy)
-    order = bal.gather_order(dev)
-    chunks, chunk_masks, lo = [], [], 0
+    chunks, lo = [], 0
     for r0, r1 in bal.bounds(rank):
         chunks.append((lo, lo + r1 - r0, r0, r1))
         lo += r1 - r0
-        m = slice_rows(startend_row_indices, causal, r0, r1, seqlen, seqlen, device=dev)
-        chunk_masks.append(None if m is None else m.index_select(2, order.to(m.device)).contiguous())
     return ContextParallelPlan(mode, group, world, rank, seqlen, bool(causal), startend_row_indices,
-                               bal.indices(rank, dev), bal, chunks, chunk_masks)
+                               bal.indices(rank, dev), bal, chunks,
+                               _chunk_masks(startend_row_indices, causal, seqlen, bal, rank))
+
+
+def _chunk_masks(mask: Optional[torch.Tensor], causal: bool, seqlen: int, bal: Balance,
+                 rank: int) -> List[Optional[torch.Tensor]]:
+    """The mask of each of ``rank``'s chunks (its rows, non-causal), columns in all-gather order."""
+    dev = None if mask is None else mask.device
+    order = bal.gather_order(dev)
+    out = []
+    for r0, r1 in bal.bounds(rank):
+        m = slice_rows(mask, causal, r0, r1, seqlen, seqlen, device=dev)
+        out.append(None if m is None else m.index_select(2, order.to(m.device)).contiguous())
+    return out

@@ -226,6 +226,7 @@ def shard_packed_batch(batch: Dict[str, torch.Tensor], *, group=None, mode: str 
     s_new = b["input_ids"].shape[1]
     plan = make_plan(mask, causal, s_new, group=group, mode=mode, num_chunks=num_chunks, align=align,
                      strategy=strategy)
+    plan.position_ids = b["position_ids"]  # to check a model's sliding window against (ContextParallelPlan.windowed)
     local = {}
     for key, t in b.items():
         if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape == (bsz, s_new):

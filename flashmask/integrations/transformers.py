@@ -316,7 +316,7 @@ _window_check_cache: list = []
 
 
 def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, window: int,
-                            key_tensor: torch.Tensor) -> None:
+                            key_tensor: torch.Tensor, unsupported=None) -> None:
     """Raise if a sliding window would differ in index space and in position space.
 
     The kernels apply the window to token indices; transformers means it in positions. The two
@@ -325,6 +325,7 @@ def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, 
     decrease, so that positions are never further apart than indices). A share-question layout
     (rejected positions continue from the prompt, past the chosen span) longer than the window
     fails this: its exact mask has no column-interval form. One host sync, cached per mask.
+    ``unsupported(what)`` makes the error (default: this backend's).
     """
     if torch.compiler.is_compiling():
         return
@@ -354,7 +355,7 @@ def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, 
     ok = bool(ok_cols.all())
     _window_check_cache[:] = [(key_tensor, position_ids, window, ok)]
     if not ok:
-        raise _unsupported(
+        raise (unsupported or _unsupported)(
             f"this {MASK_KWARG} mask with sliding_window={window}: its position_ids jump inside spans of tokens "
             "that see each other (e.g. a share-question DPO layout) and the window would then hide different tokens "
             "than in separate sequences. Use sequences shorter than the window, or a model without sliding windows")

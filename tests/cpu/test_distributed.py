@@ -206,6 +206,65 @@ def test_single_process_plans_with_a_value_head_dim():
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{mode} d{name}: {m}")
 
 
+@pytest.mark.parametrize("family", ["causal", "causal_document", "document", "share_question"])
+def test_windowed_plans_equal_the_window_on_one_process(family):
+    """plan.windowed: the same sharding under the mask and the window together; made once per window."""
+    torch.manual_seed(3)
+    mask, causal = example(family, 64, batch_size=2)
+    mask = None if family == "causal" else mask
+    window = (5, 0) if causal else (5, 7)
+    q, k, v = (torch.randn(2, 64, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    want = flashmask_attention(q, k, v, mask, causal=causal, window_size=window)
+    assert not torch.allclose(want, flashmask_attention(q, k, v, mask, causal=causal))  # the window matters
+    for mode in fmd.MODES:
+        plan = fmd.make_plan(mask, causal, 64, mode=mode, align=8)
+        wplan = plan.windowed(window, batch_size=2)
+        assert plan.windowed(window, batch_size=2) is wplan and plan.startend_row_indices is mask
+        assert torch.equal(wplan.local_index, plan.local_index) and wplan.chunks == plan.chunks
+        got = fmd.context_parallel_attention(plan.shard(q), plan.shard(k), plan.shard(v), wplan)
+        torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
+
+
+def test_windowed_plan_raises_where_the_window_does_not_fit_the_mask():
+    # causal C=2: column 0 masked on rows [2, 3); a window reaching 5 rows back masks its rows [6, 8): two runs,
+    # which one (LTS, LTE) interval cannot hold
+    mask = torch.tensor([[[[2, 3]] + [[8, 8]] * 7]], dtype=torch.int32)
+    plan = fmd.make_plan(mask, True, 8, mode="ulysses")
+    with pytest.raises(ValueError, match="separate runs"):
+        plan.windowed((5, 0))
+    assert plan.windowed((7, 0)).startend_row_indices[0, 0, 0].tolist() == [2, 3]  # the window hides no row of it
+
+
+def test_cp_backend_sliding_window_on_one_process():
+    """The fm_cp backend runs a layer's sliding window on the windowed plan (the fm_colmask result), and
+    raises where the window would differ in positions (a DPO layout) or does not fit the mask."""
+    pytest.importorskip("transformers")
+    import flashmask.distributed.hf as cp_hf
+    import flashmask.integrations.transformers as fm_hf
+
+    torch.manual_seed(4)
+    module = torch.nn.Module()
+    pos = torch.cat([torch.arange(20), torch.arange(28), torch.arange(16)]).view(1, 64)
+    local, plan = fmd.shard_packed_batch({"input_ids": torch.zeros(1, 64, dtype=torch.long), "position_ids": pos},
+                                         mode="allgather_kv", align=8)
+    q, k, v = (torch.randn(1, h, 64, 8, dtype=torch.float64) for h in (4, 2, 2))
+    want, _ = fm_hf.flashmask_attention_forward(module, q, k, v, None, position_ids=pos, sliding_window=5)
+    with cp_hf.context_parallel(plan):
+        got, _ = cp_hf.cp_attention_forward(module, *(plan.shard(t, 2) for t in (q, k, v)), None, sliding_window=5)
+    torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
+    # prompt, chosen, rejected: the rejected answer's positions continue from the prompt's
+    mask = masks.share_question(64, [24, 20, 20])
+    pos = torch.cat([torch.arange(44), torch.arange(24, 44)]).view(1, 64)
+    local, plan = fmd.shard_packed_batch({"input_ids": torch.zeros(1, 64, dtype=torch.long), "position_ids": pos,
+                                          fmd.MASK_KEY: mask}, mode="ulysses")
+    with cp_hf.context_parallel(plan), pytest.raises(NotImplementedError, match="'fm_cp'.*position_ids jump"):
+        cp_hf.cp_attention_forward(module, *(plan.shard(t, 2) for t in (q, k, v)), None, sliding_window=5)
+    # a causal C=2 mask whose masked rows and the window's form two runs in column 0
+    plan = fmd.make_plan(torch.tensor([[[[2, 3]] + [[8, 8]] * 7]], dtype=torch.int32), True, 8, mode="ulysses")
+    with cp_hf.context_parallel(plan), pytest.raises(NotImplementedError, match="'fm_cp'.*separate runs"):
+        cp_hf.cp_attention_forward(module, q[:, :, :8], k[:, :, :8], v[:, :, :8], None, sliding_window=6)
+
+
 @pytest.mark.parametrize("softcap,use_sinks", [(2.0, False), (0.0, True), (1.5, True)])
 def test_single_process_plans_with_softcap_and_sinks(softcap, use_sinks):
     torch.manual_seed(2)
@@ -321,6 +380,11 @@ def _case_list(world):
         cases.append((f"{mode}-softcap-sinks-dv4-share_question", dict(mode=mode, family="share_question", hq=4,
                                                                        hk=1, hm=1, b=1, dv=4, softcap=1.5,
                                                                        sinks=True)))
+        # a sliding window merged into the plan's mask (the sliding layers of Mistral, Gemma, GPT-OSS)
+        cases.append((f"{mode}-window-causal_document", dict(mode=mode, family="causal_document", hq=4, hk=2, hm=1,
+                                                             b=1, window=(6, 0))))
+        cases.append((f"{mode}-window-causal", dict(mode=mode, family="causal", hq=4, hk=2, hm=1, b=2,
+                                                    window=(9, 0), sinks=True)))
     if world == 2:
         # Ulysses repeating 3 KV heads (and their mask heads) to 6 for 2 ranks
         cases.append(("ulysses-gqa-replicate-hm_hk", dict(mode="ulysses", family="random", causal=True, c=2, hq=6,
@@ -422,11 +486,14 @@ def _run_case(spec, world, rank, seed):
     # one process, whole sequence
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     sr = None if sinks is None else sinks.clone().requires_grad_()
-    ref = flashmask_attention(qr, kr, vr, mask, causal=causal, backend="reference", softcap=softcap, sinks=sr)
+    ref = flashmask_attention(qr, kr, vr, mask, causal=causal, backend="reference", softcap=softcap, sinks=sr,
+                              window_size=spec.get("window"))
     (ref.double() * w.double()).sum().backward()
     # context parallel
     plan = fmd.make_plan(mask, causal, s, mode=spec["mode"], num_chunks=spec.get("num_chunks"), align=8,
                          strategy=spec.get("strategy", "greedy"))
+    if "window" in spec:
+        plan = plan.windowed(spec["window"], batch_size=q.shape[0])
     ql, kl, vl = (plan.shard(t).clone().requires_grad_() for t in (q, k, v))
     sl = None if sinks is None else sinks.clone().requires_grad_()
     out = fmd.context_parallel_attention(ql, kl, vl, plan, backend="reference", head_groups=spec.get("head_groups", 2),
@@ -571,19 +638,19 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     from flashmask.distributed import fsdp as fm_fsdp
     from flashmask.losses import causal_lm_loss, final_logit_softcap
 
-    # (Gemma 2 and GPT-OSS: windows longer than the row, so that the sliding layers run under CP too)
+    # (Gemma 2 and GPT-OSS: every other layer a sliding window of 8 tokens, shorter than the documents)
     if kind == "gemma2":  # logit soft-capping in attention and on the final logits
         cfg = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
                                         max_position_embeddings=128,
                                         attention_dropout=0.0, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-                                        sliding_window=128, initializer_range=0.2, tie_word_embeddings=True)
+                                        sliding_window=8, initializer_range=0.2, tie_word_embeddings=True)
         cls = transformers.Gemma2ForCausalLM
     elif kind == "gpt_oss":  # attention sinks (learned), a mixture of 4 experts
         cfg = transformers.GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
                                         num_experts_per_tok=2, vocab_size=64, max_position_embeddings=128,
-                                        sliding_window=128, attention_dropout=0.0, tie_word_embeddings=True,
+                                        sliding_window=8, attention_dropout=0.0, tie_word_embeddings=True,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         cls = transformers.GptOssForCausalLM
     elif kind == "deepseek_v3":  # multi-head latent attention: q/k head dim 12 + 4, v head dim 8; dense MLPs

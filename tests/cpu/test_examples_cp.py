@@ -99,6 +99,18 @@ def test_sft_cp2_ulysses_resumes_a_one_process_checkpoint(one_process, tmp_path)
     assert csv_column(tmp_path) == pytest.approx(ref, rel=REL)
 
 
+def test_sft_cp2_sliding_window_equals_one_process(tmp_path):
+    # A window of 8 tokens in every layer (the qwen2 preset), shorter than the documents: each
+    # batch's plan is windowed in the attention layers.
+    args = BASE + ["--arch", "qwen2", "--sliding-window", "8", "--steps", "2"]
+    ref = sft_packed.main(args + ["--output-dir", str(tmp_path / "one")])["losses"]
+    out = torchrun(SFT, 2, args + ["--cp", "2", "--output-dir", str(tmp_path / "cp")])
+    check_report(out, nproc=2, dp=1, cp=2)
+    assert csv_column(tmp_path / "cp") == pytest.approx(ref, rel=REL)
+    full = sft_packed.main(BASE + ["--arch", "qwen2", "--steps", "2", "--output-dir", str(tmp_path / "full")])
+    assert full["losses"] != pytest.approx(ref, rel=REL)  # the window matters
+
+
 def test_sft_dp2_cp2_equals_dp2_without_cp(tmp_path):
     args = BASE + ["--steps", "3"]
     out = torchrun(SFT, 4, args + ["--cp", "2", "--output-dir", str(tmp_path / "cp")])

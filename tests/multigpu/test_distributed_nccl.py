@@ -41,13 +41,14 @@ import torch.multiprocessing as mp
 from flashmask import _cuda, flashmask_attention
 from flashmask import distributed as fmd
 from flashmask.reference import reference_attention
+from masks import merge_window, window_to_startend
 from masks.examples import example
 from tests.attn_helpers import error_bound, low_precision_attention, max_err, random_startend
 
 
 def cases(tiny: bool):
     """(name, spec): every mode x mask family, GQA, mask heads 1/Hk/Hq, bf16 and fp16, head dims
-    (192, 128), soft-capping and sinks."""
+    (192, 128), soft-capping, sinks and a sliding window."""
     s = 256 if tiny else 4096
     d = 16 if tiny else 128
     out = []
@@ -76,6 +77,9 @@ def cases(tiny: bool):
         out.append((f"{mode}-sinks-random-causal1-C2-hm_hq", dict(mode=mode, family="random", causal=True, c=2, hq=8,
                                                                   hk=2, hm="hq", b=2, s=s // 2, d=d,
                                                                   dtype="bfloat16", sinks=True)))
+        out.append((f"{mode}-window-sinks-causal_document", dict(mode=mode, family="causal_document", hq=8, hk=2,
+                                                                 hm=1, b=1, s=s, d=d, dtype="bfloat16",
+                                                                 window=(s // 8 - 1, 0), sinks=True)))
         out.append((f"{mode}-softcap-sinks-fp16-share_question", dict(mode=mode, family="share_question", hq=8, hk=2,
                                                                       hm=1, b=1, s=s, d=d, dtype="float16",
                                                                       softcap=50.0, sinks=True)))
@@ -124,6 +128,13 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
             mask = None
     q, k, v, dout, sinks = _inputs(spec, device, dtype)
     softcap = spec.get("softcap", 0.0)
+    # a sliding window: the context-parallel plan is made for the mask and windowed; the oracles
+    # take the window merged into the mask
+    window = spec.get("window")
+    plan_mask = mask
+    if window is not None:
+        mask = (merge_window(mask, causal, window, s) if mask is not None
+                else window_to_startend(window, s, s, causal, batch_size=b, device=device))
     leaves = (q, k, v) + (() if sinks is None else (sinks,))
     names = ("out", "dq", "dk", "dv", "dsinks")[:len(leaves) + 1]
     # one GPU: the kernels on the whole sequence
@@ -132,8 +143,10 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
                                                                    backend=kernel_backend),
                         leaves, dout)
     # context parallel; the sinks are every rank's whole [Hq], their gradient this rank's share
-    plan = fmd.make_plan(mask, causal, s, mode=spec["mode"], align=128 if s >= 2048 else 8,
+    plan = fmd.make_plan(plan_mask, causal, s, mode=spec["mode"], align=128 if s >= 2048 else 8,
                          num_chunks=world * spec["chunks_per_rank"] if "chunks_per_rank" in spec else None)
+    if window is not None:
+        plan = plan.windowed(window, batch_size=b)
     loc = [plan.shard(t) for t in leaves[:3]] + list(leaves[3:])
     cp, cp_g = _grads(lambda a, b_, c_, *sk: fmd.context_parallel_attention(a, b_, c_, plan, softcap=softcap,
                                                                            sinks=sk[0] if sk else None,
@@ -263,8 +276,8 @@ def test_cpu_dry_run_of_the_gpu_script():
     """The same cases with gloo and the reference path at tiny sizes (keeps the GPU script runnable)."""
     out = spawn(2, "cpu", tiny=True, only=["allgather_kv-causal_document", "ulysses-share_question",
                                            "random-causal0-C4-hm_hq", "mqa", "8chunks", "allgather_kv-mla",
-                                           "ulysses-softcap-sinks", "allgather_kv-sinks"])
-    assert len(out) >= 9
+                                           "ulysses-softcap-sinks", "allgather_kv-sinks", "window"])
+    assert len(out) >= 11
     fails = _failures(out)
     assert not fails, "\n".join(f"{n}:\n{e}" for n, es in fails.items() for e in es)
 

@@ -1,0 +1,47 @@
+"""Context parallelism on one process with the kernels (GPU only): a sliding window merged into the
+plan (``ContextParallelPlan.windowed``), both modes, against the kernels on the whole sequence with
+the window and against the float32 reference. More than one GPU: tests/multigpu."""
+import pytest
+import torch
+
+import flashmask
+from flashmask import _cuda
+from flashmask import distributed as fmd
+from flashmask.reference import reference_attention
+from masks import merge_window
+from masks.examples import example
+from tests.attn_helpers import error_bound, low_precision_attention, max_err
+from tests.gpu import cases as cuda_cases
+from tests.gpu.cases import DTYPES, main_head_dim, make_qkv, pick
+
+pytestmark = [
+    pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device and the built extension"),
+    pytest.mark.usefixtures("every_kernel_family"),
+]
+
+
+@pytest.mark.parametrize("family", ["causal_document", "causal", "share_question"])
+@pytest.mark.parametrize("mode", fmd.MODES)
+def test_windowed_plan(mode, family):
+    i = ["causal_document", "causal", "share_question"].index(family)
+    dtype, s, window = pick(DTYPES, i), 1024, (pick([100, 255, 31], i), 0)
+    mask, causal = example(family, s, batch_size=2, device="cuda")
+    mask = None if family == "causal" else mask
+    q, k, v = make_qkv(2, s, s, 6, 2, main_head_dim(), dtype)
+    cuda_cases.skip_unless_backend_serves(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    want = flashmask.flashmask_attention(*leaves, mask, causal=causal, window_size=window, backend=cuda_cases.BACKEND)
+    dout = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    plan = fmd.make_plan(mask, causal, s, mode=mode, align=8).windowed(window, batch_size=2)
+    local = [plan.shard(t).detach().requires_grad_() for t in (q, k, v)]
+    got = fmd.context_parallel_attention(*local, plan, backend=cuda_cases.BACKEND)
+    # the window merged into the mask, for the oracles
+    wmask = merge_window(mask, causal, window, s) if mask is not None else plan.startend_row_indices
+    ref = reference_attention(q.float(), k.float(), v.float(), wmask, causal=causal)[0]
+    low = low_precision_attention(q, k, v, wmask, causal)[0]
+    assert max_err(got, plan.shard(ref)) <= error_bound(low, ref), "out against the reference"
+    torch.testing.assert_close(got, plan.shard(want.detach()), atol=2e-2, rtol=2e-2)
+    for name, g, w in zip("qkv", torch.autograd.grad(got, local, plan.shard(dout)), want_grads):
+        torch.testing.assert_close(g.float(), plan.shard(w).float(), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m: f"d{name}: {m}")

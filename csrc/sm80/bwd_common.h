@@ -77,23 +77,28 @@ struct BwdGmemLoads {
 
     template <typename Smem>
     __forceinline__ __device__ void q(int row0, Smem&& dst, int rows) const {
-        copy_zfill(qk, thr_qk.partition_S(gmem_rows<typename Traits::TileQ>(head.q, p.q_row_stride, row0)),
-                   thr_qk.partition_D(dst), q_coords, rows, p.d);
+        load<typename Traits::TileQ>(qk, thr_qk, q_coords, head.q, p.q_row_stride, row0, dst, rows, p.d);
     }
     template <typename Smem>
     __forceinline__ __device__ void k(int row0, Smem&& dst, int rows) const {
-        copy_zfill(qk, thr_qk.partition_S(gmem_rows<typename Traits::TileKV>(head.k, p.k_row_stride, row0)),
-                   thr_qk.partition_D(dst), k_coords, rows, p.d);
+        load<typename Traits::TileKV>(qk, thr_qk, k_coords, head.k, p.k_row_stride, row0, dst, rows, p.d);
     }
     template <typename Smem>
     __forceinline__ __device__ void dout(int row0, Smem&& dst, int rows) const {
-        copy_zfill(v_do, thr_v_do.partition_S(gmem_rows<typename Traits::TileDO>(head.dout, p.do_row_stride, row0)),
-                   thr_v_do.partition_D(dst), do_coords, rows, p.d_v);
+        load<typename Traits::TileDO>(v_do, thr_v_do, do_coords, head.dout, p.do_row_stride, row0, dst, rows, p.d_v);
     }
     template <typename Smem>
     __forceinline__ __device__ void v(int row0, Smem&& dst, int rows) const {
-        copy_zfill(v_do, thr_v_do.partition_S(gmem_rows<typename Traits::TileV>(head.v, p.v_row_stride, row0)),
-                   thr_v_do.partition_D(dst), v_coords, rows, p.d_v);
+        load<typename Traits::TileV>(v_do, thr_v_do, v_coords, head.v, p.v_row_stride, row0, dst, rows, p.d_v);
+    }
+
+private:
+    // Rows [row0, row0 + rows) of a [S, cols] tensor with row stride `stride` into the tile `dst`.
+    template <typename Tile, typename Copy, typename Thr, typename C, typename Smem>
+    __forceinline__ __device__ static void load(Copy const& copy, Thr const& thr, C const& coords, const Element* base,
+                                                int64_t stride, int row0, Smem&& dst, int rows, int cols) {
+        copy_zfill(copy, thr.partition_S(gmem_rows<Tile>(base, stride, row0)), thr.partition_D(dst), coords, rows,
+                   cols);
     }
 };
 

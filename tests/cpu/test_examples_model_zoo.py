@@ -1,7 +1,8 @@
 """The training examples with ``--model PATH`` of a local Hugging Face model of each family of
 tests/model_zoo.py (saved with the byte-level tokenizer): SFT runs, and its chunked LM-head loss
 equals the model's own (``--loss-chunk 0``: Gemma 2's final logit soft-capping included); DPO runs
-on the families with soft-capping and sinks; GPT-OSS's experts in chunks (``--mlp-chunk``)."""
+on the families with soft-capping and sinks; GPT-OSS's experts in chunks (``--mlp-chunk``); SFT of
+the families with sliding layers under context parallelism (two processes) equals one process's."""
 import math
 
 import pytest
@@ -72,3 +73,16 @@ def test_the_run_line_names_the_kernels_for_every_family(monkeypatch):
     monkeypatch.setattr(flashmask.cuda, "available", lambda: True)  # as on a GPU with the kernels built
     assert backend_note(torch.device("cuda"), torch.bfloat16) == "flashmask CUDA kernels"
     assert backend_note(torch.device("cpu"), torch.float32) == "flashmask reference path (pure PyTorch)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_sft_cp2_with_sliding_layers_equals_one_process(family, saved, tmp_path):
+    # The sliding layers' window (tests/model_zoo.WINDOW tokens) under context parallelism: the fm_cp
+    # backend runs them on each batch's windowed plan.
+    from tests.cpu.test_examples_cp import csv_column, torchrun
+
+    args = COMMON + ["--model", saved(family), "--cp-align", "8"]
+    ref = sft_packed.main(args + ["--output-dir", str(tmp_path / "one")])["losses"]
+    torchrun("training_examples.sft_packed", 2, args + ["--cp", "2", "--output-dir", str(tmp_path / "cp")])
+    assert csv_column(tmp_path / "cp") == pytest.approx(ref, rel=1e-4)

@@ -25,7 +25,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -71,6 +71,15 @@ class Balance:
         """int64 ``[S / world]``: the global token index of each of ``rank``'s local tokens."""
         parts = [torch.arange(r0, r1, device=device) for r0, r1 in self.bounds(rank)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+    def under(self, startend_row_indices: Optional[torch.Tensor], causal: bool) -> "Balance":
+        """The same chunks and owners, their work counted under another mask (e.g. the plan's mask
+        with a sliding window merged in)."""
+        size = self.chunk_size
+        work = block_pairs(startend_row_indices, causal, [(c * size, (c + 1) * size) for c in range(self.num_chunks)],
+                           self.seqlen, self.seqlen)
+        rank_work, imbalance = _rank_work(work, self.assignment)
+        return replace(self, chunk_work=work, work=rank_work, imbalance=imbalance)
 
     def gather_order(self, device=None) -> torch.Tensor:
         """int64 ``[S]``: the global index of every position of an all-gather of the local
@@ -156,10 +165,15 @@ def balance_chunks(startend_row_indices: Optional[torch.Tensor], causal: bool, s
         if per_rank == 2:
             starts.append([[r, num_chunks - 1 - r] for r in range(world)])
         assignment = min((_refine(a, w) for a in starts), key=lambda a: max(sum(w[c] for c in x) for x in a))
-    rank_work = torch.stack([work[a].sum() for a in assignment])
-    mean = rank_work.double().mean().item()
-    imbalance = rank_work.max().item() / mean if mean > 0 else 1.0
+    rank_work, imbalance = _rank_work(work, assignment)
     return Balance(seqlen, world, size, assignment, work, rank_work, imbalance, strategy)
+
+
+def _rank_work(chunk_work: torch.Tensor, assignment: List[List[int]]) -> Tuple[torch.Tensor, float]:
+    """Each rank's work (the sum of its chunks') and the imbalance, max over mean (1.0 without work)."""
+    rank_work = torch.stack([chunk_work[a].sum() for a in assignment])
+    mean = rank_work.double().mean().item()
+    return rank_work, (rank_work.max().item() / mean if mean > 0 else 1.0)
 
 
 def _refine(assignment: List[List[int]], work: List[int], max_rounds: int = 1000) -> List[List[int]]:

@@ -97,9 +97,10 @@ class ContextParallelPlan:
         """This plan under its mask intersected with the flash-attn window ``window_size``
         (``(left, right)``, ``-1`` unbounded; :func:`masks.merge_window`), for the sliding-window
         layers of a model: the same ranks hold the same tokens, so only the masks change (the
-        chunks stay balanced for the plan's own mask). ``batch_size`` is the mask's batch where the
-        plan has no mask. Made once per window and kept; raises ``ValueError`` where the window
-        and a C=2 causal or C=4 mask together need more column intervals than the mask has."""
+        chunks were balanced for the plan's own mask; ``imbalance`` counts the window's work).
+        ``batch_size`` is the mask's batch where the plan has no mask. Made once per window and
+        kept; raises ``ValueError`` where the window and a C=2 causal or C=4 mask together need
+        more column intervals than the mask has."""
         key = (int(window_size[0]), int(window_size[1]), int(batch_size))
         if key not in self._windowed:
             mask = self.startend_row_indices
@@ -108,9 +109,12 @@ class ContextParallelPlan:
                                           device=self.local_index.device)
             else:
                 mask = merge_window(mask, self.causal, key[:2], self.seqlen)
-            chunk_masks = [] if self.balance is None else _chunk_masks(mask, self.causal, self.seqlen, self.balance,
-                                                                      self.rank)
-            self._windowed[key] = replace(self, startend_row_indices=mask, chunk_masks=chunk_masks, _windowed={})
+            bal, chunk_masks = self.balance, []
+            if bal is not None:
+                bal = bal.under(mask, self.causal)
+                chunk_masks = _chunk_masks(mask, self.causal, self.seqlen, bal, self.rank)
+            self._windowed[key] = replace(self, startend_row_indices=mask, balance=bal, chunk_masks=chunk_masks,
+                                          _windowed={})
         return self._windowed[key]
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:

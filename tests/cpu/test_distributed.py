@@ -221,6 +221,10 @@ def test_windowed_plans_equal_the_window_on_one_process(family):
         wplan = plan.windowed(window, batch_size=2)
         assert plan.windowed(window, batch_size=2) is wplan and plan.startend_row_indices is mask
         assert torch.equal(wplan.local_index, plan.local_index) and wplan.chunks == plan.chunks
+        if mode == "allgather_kv":  # the same chunks, their work under the window
+            assert wplan.balance.assignment == plan.balance.assignment
+            assert int(wplan.balance.work.sum()) == int(masks.to_dense(wplan.startend_row_indices, causal).sum())
+            assert int(wplan.balance.work.sum()) < int(plan.balance.work.sum())
         got = fmd.context_parallel_attention(plan.shard(q), plan.shard(k), plan.shard(v), wplan)
         torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
 

@@ -75,9 +75,7 @@ class Balance:
     def under(self, startend_row_indices: Optional[torch.Tensor], causal: bool) -> "Balance":
         """The same chunks and owners, their work counted under another mask (e.g. the plan's mask
         with a sliding window merged in)."""
-        size = self.chunk_size
-        work = block_pairs(startend_row_indices, causal, [(c * size, (c + 1) * size) for c in range(self.num_chunks)],
-                           self.seqlen, self.seqlen)
+        work = _chunk_work(startend_row_indices, causal, self.seqlen, self.num_chunks)
         rank_work, imbalance = _rank_work(work, self.assignment)
         return replace(self, chunk_work=work, work=rank_work, imbalance=imbalance)
 
@@ -151,8 +149,7 @@ def balance_chunks(startend_row_indices: Optional[torch.Tensor], causal: bool, s
                          f"(flashmask.distributed.pad_packed_batch)")
     size = seqlen // num_chunks
     per_rank = num_chunks // world
-    work = block_pairs(startend_row_indices, causal, [(c * size, (c + 1) * size) for c in range(num_chunks)],
-                       seqlen, seqlen)
+    work = _chunk_work(startend_row_indices, causal, seqlen, num_chunks)
     if strategy == "contiguous":
         assignment = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(world)]
     elif strategy == "zigzag":
@@ -167,6 +164,14 @@ def balance_chunks(startend_row_indices: Optional[torch.Tensor], causal: bool, s
         assignment = min((_refine(a, w) for a in starts), key=lambda a: max(sum(w[c] for c in x) for x in a))
     rank_work, imbalance = _rank_work(work, assignment)
     return Balance(seqlen, world, size, assignment, work, rank_work, imbalance, strategy)
+
+
+def _chunk_work(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
+                num_chunks: int) -> torch.Tensor:
+    """int64 ``[num_chunks]``: the unmasked pairs of each of ``num_chunks`` equal chunks of rows."""
+    size = seqlen // num_chunks
+    return block_pairs(startend_row_indices, causal, [(c * size, (c + 1) * size) for c in range(num_chunks)],
+                       seqlen, seqlen)
 
 
 def _rank_work(chunk_work: torch.Tensor, assignment: List[List[int]]) -> Tuple[torch.Tensor, float]:

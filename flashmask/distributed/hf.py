@@ -106,16 +106,13 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError(f"the layer got {query.shape[2]} queries and {key.shape[2]} keys but the plan gives "
                          f"{plan.local_len} tokens per rank (a KV cache, or a batch not sharded with this plan?)")
     sw = kwargs.get("sliding_window")
-    if sw is not None and int(sw) < plan.seqlen:  # transformers: query i sees key j iff i - sw < j <= i
-        if not causal:
-            raise _unsupported("a sliding window on a non-causal (bidirectional) attention")
-        if int(sw) < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sw}")
+    if sw is not None and int(sw) < plan.seqlen:  # a window no shorter than the row hides nothing
+        sw = fm_hf._sliding_window(kwargs, causal, plan.seqlen, _unsupported)
         if plan.position_ids is not None and plan.startend_row_indices is not None:
-            fm_hf._check_window_positions(plan.startend_row_indices, plan.position_ids, int(sw),
+            fm_hf._check_window_positions(plan.startend_row_indices, plan.position_ids, sw,
                                           plan.startend_row_indices, unsupported=_unsupported)
         try:
-            plan = plan.windowed((int(sw) - 1, 0), batch_size=query.shape[0])
+            plan = plan.windowed((sw - 1, 0), batch_size=query.shape[0])
         except ValueError as e:
             raise _unsupported(f"sliding_window={sw} on this plan's mask: {e}") from None
     softcap, sinks = fm_hf.softcap_and_sinks(kwargs)

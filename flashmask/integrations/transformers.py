@@ -283,23 +283,32 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         startend = _apply_attention_mask(startend, attention_mask, causal, bsz, sq, sk, query.device)
 
     window = None
-    sliding_window = kwargs.get("sliding_window")
+    sliding_window = _sliding_window(kwargs, causal, sk)
     if sliding_window is not None:
-        if not causal:
-            raise _unsupported("a sliding window on a non-causal (bidirectional) attention")
-        sliding_window = int(sliding_window)
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if sliding_window < sk:  # transformers: key j visible from query i iff i - sliding_window < j <= i
-            window = (sliding_window - 1, 0)
-            explicit = kwargs.get(MASK_KWARG)
-            if explicit is not None and kwargs.get("position_ids") is not None and sq == sk:
-                _check_window_positions(startend, kwargs["position_ids"], sliding_window, explicit)
+        window = (sliding_window - 1, 0)
+        explicit = kwargs.get(MASK_KWARG)
+        if explicit is not None and kwargs.get("position_ids") is not None and sq == sk:
+            _check_window_positions(startend, kwargs["position_ids"], sliding_window, explicit)
 
     softcap, sinks = softcap_and_sinks(kwargs)
     out = flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), startend,
                               causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap, sinks=sinks)
     return out, None
+
+
+def _sliding_window(kwargs: dict, causal: bool, sk: int, unsupported=None) -> Optional[int]:
+    """A layer's ``sliding_window`` (transformers: query i sees key j iff i - window < j <= i) where it
+    hides keys, i.e. is shorter than the ``sk`` keys; else None. Raises for a window on non-causal
+    attention (``unsupported(what)`` makes that error; default: this backend's) or one below 1."""
+    window = kwargs.get("sliding_window")
+    if window is None:
+        return None
+    if not causal:
+        raise (unsupported or _unsupported)("a sliding window on a non-causal (bidirectional) attention")
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    return window if window < sk else None
 
 
 def softcap_and_sinks(kwargs: dict) -> Tuple[float, Optional[torch.Tensor]]:

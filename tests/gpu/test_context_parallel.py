@@ -20,10 +20,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("family", ["causal_document", "causal", "share_question"])
+FAMILIES = ["causal_document", "causal", "share_question"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", fmd.MODES)
 def test_windowed_plan(mode, family):
-    i = ["causal_document", "causal", "share_question"].index(family)
+    i = FAMILIES.index(family)
     dtype, s, window = pick(DTYPES, i), 1024, (pick([100, 255, 31], i), 0)
     mask, causal = example(family, s, batch_size=2, device="cuda")
     mask = None if family == "causal" else mask

@@ -102,7 +102,7 @@ from benchmarks.train_masks import (
     layer_windows,
     mask_inputs,
 )
-from flashmask.losses import final_logit_softcap
+from flashmask.losses import decoder_of, final_logit_softcap
 from training_examples.byte_tokenizer import VOCAB_SIZE
 from training_examples.models import ARCHS, DEFAULT_SIZE, WINDOW_ARCHS, arch_sizes
 from training_examples.models import build_model as build_preset
@@ -368,7 +368,7 @@ def train_step(model, opt, batch: dict, mask_kw: dict, args) -> torch.Tensor:
     if args.loss == "full":
         loss = model(labels=batch["labels"], **inputs).loss
     else:
-        hidden = model.get_decoder()(**inputs).last_hidden_state
+        hidden = decoder_of(model)(**inputs).last_hidden_state
         loss = chunked_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], args.loss_chunk,
                                final_logit_softcap(model))
     loss.backward()

@@ -195,6 +195,18 @@ def causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: Optio
                                 normalizer=num_items_in_batch, logit_softcap=logit_softcap)
 
 
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder of a transformers causal LM (the model without its LM head, returning
+    ``last_hidden_state``): ``model.get_decoder()``, or ``model.model`` where that gives the causal LM
+    itself (Llama 4's text model on transformers 5.x)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if dec is None or dec is model:
+        dec = getattr(model, "model", None)
+    if dec is None:
+        raise ValueError(f"cannot find the decoder of {type(model).__name__} (no get_decoder() or .model)")
+    return dec
+
+
 def final_logit_softcap(model: torch.nn.Module) -> Optional[float]:
     """The final logit soft-capping of a transformers causal LM (``config.final_logit_softcapping``:
     Gemma 2, and Gemma 3 where set), or None: what the chunked losses must apply to equal the model's

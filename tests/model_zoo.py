@@ -3,7 +3,8 @@ model-zoo tests (tests/cpu/test_model_zoo.py, tests/gpu/test_model_zoo.py).
 
 Each keeps its family's attention shape: the head dims (Phi-3 96, Gemma 256, GPT-OSS 64, DeepSeek-V3's
 multi-head latent attention with q/k 128 + 64 and v 128), the ratio of query to key/value heads, the
-pattern of sliding-window and global layers (with a window shorter than the test rows), Gemma 2's
+pattern of sliding-window and global layers (with a window shorter than the test rows), Llama 4's
+chunked and global layers (a chunk shorter than the test rows), Gemma 2's
 logit soft-capping and GPT-OSS's attention sinks; everything else is tiny (hidden size 64, two
 layers, a vocabulary of 128). Weights are drawn with a standard deviation of 0.2 (not the families'
 0.02) so that the attention is far from uniform: the scores span several units, the soft-capping
@@ -18,6 +19,7 @@ import torch
 
 VOCAB = 128
 WINDOW = 6  # the sliding window of the families that have one, shorter than the test rows
+CHUNK = 4  # Llama 4's attention chunk, shorter than the test rows
 INIT_STD = 0.2
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=256,
@@ -85,10 +87,18 @@ def _deepseek_v3(t):
         v_head_dim=128)
 
 
+def _llama4(t):
+    # layer 0 chunked attention with RoPE and a mixture of experts, layer 1 global without RoPE (NoPE)
+    return t.Llama4ForCausalLM, t.Llama4TextConfig(
+        **COMMON, intermediate_size=32, intermediate_size_mlp=128, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=128, num_local_experts=2, num_experts_per_tok=1, moe_layers=[0], no_rope_layers=[1, 0],
+        attention_chunk_size=CHUNK, use_qk_norm=True)
+
+
 #: family -> (transformers) -> (model class, config)
 FAMILIES: Dict[str, Callable] = {
     "llama3": _llama3, "qwen3": _qwen3, "mistral": _mistral, "phi3": _phi3, "gemma2": _gemma2, "gemma3": _gemma3,
-    "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3, "llama4": _llama4,
 }
 
 #: family -> what each layer's attention gets: Dqk, Dv, Hq, Hk, the sliding window of each layer
@@ -102,6 +112,7 @@ SHAPES: Dict[str, dict] = {
     "gemma3": dict(dqk=256, dv=256, hq=4, hk=1, windows=(WINDOW, None), softcap=0.0, sinks=False),
     "gpt_oss": dict(dqk=64, dv=64, hq=8, hk=2, windows=(WINDOW, None), softcap=0.0, sinks=True),
     "deepseek_v3": dict(dqk=192, dv=128, hq=2, hk=2, windows=(None, None), softcap=0.0, sinks=False),
+    "llama4": dict(dqk=128, dv=128, hq=4, hk=1, windows=(None, None), softcap=0.0, sinks=False),
 }
 
 
@@ -111,6 +122,13 @@ def has_family(transformers, family: str) -> bool:
     except AttributeError:  # this transformers lacks the model
         return False
     return True
+
+
+def chunks_follow_documents(transformers) -> bool:
+    """Whether this transformers counts Llama 4's chunks from each packed document's first token (as
+    the document alone would see them) rather than from the row's; the backend follows the model's
+    own mask either way."""
+    return hasattr(transformers.masking_utils, "remap_positions_for_packed_sequence")
 
 
 def set_impl(model, name: str):

@@ -21,9 +21,9 @@ def response_logps(self, inputs: Dict[str, torch.Tensor], targets: torch.Tensor,
     rejected (last N) response tokens. The decoder once, the LM head only at the ``valid [2, B, L]`` tokens
     (targets ``[2, B, L]``, triple ``pair [B, L]``), in chunks. Installed on the policy and the
     reference as an FSDP2 forward method (:func:`flashmask.distributed.fsdp.install_forward_method`)."""
-    from flashmask.losses import final_logit_softcap, linear_token_logps
+    from flashmask.losses import decoder_of, final_logit_softcap, linear_token_logps
 
-    hidden = self.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    hidden = decoder_of(self)(**inputs, use_cache=False).last_hidden_state
     head = self.get_output_embeddings()
     h = torch.cat([hidden[valid[0]], hidden[valid[1]]])
     lp = linear_token_logps(h, head.weight, torch.cat([targets[0][valid[0]], targets[1][valid[1]]]),

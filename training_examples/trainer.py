@@ -30,9 +30,9 @@ def causal_lm_loss_one_process(model, batch: Dict[str, torch.Tensor], args) -> t
     logits), or the model's own loss with ``--loss-chunk 0``."""
     if args.loss_chunk <= 0:
         return model(**batch, use_cache=False).loss
-    from flashmask.losses import causal_lm_loss, final_logit_softcap
+    from flashmask.losses import causal_lm_loss, decoder_of, final_logit_softcap
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    hidden = decoder_of(model)(**inputs, use_cache=False).last_hidden_state
     return causal_lm_loss(hidden, model.get_output_embeddings(), batch["labels"], chunk_size=args.loss_chunk,
                           logit_softcap=final_logit_softcap(model))
 

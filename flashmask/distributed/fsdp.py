@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from flashmask.losses import causal_lm_loss, final_logit_softcap
+from flashmask.losses import causal_lm_loss, decoder_of, final_logit_softcap
 
 __all__ = ["init_mesh", "cp_group", "dp_group", "fsdp_mesh", "apply_fsdp2", "lm_loss", "reduce_loss",
            "decoder_layers", "sum_gradients", "install_forward_method"]
@@ -72,7 +72,10 @@ def fsdp_mesh(mesh):
 
 def decoder_layers(model: torch.nn.Module) -> list:
     """The decoder layers of a transformers causal LM (``model.model.layers``), or raise."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    try:
+        dec = decoder_of(model)
+    except ValueError:
+        dec = None
     layers = getattr(dec, "layers", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; pass layers=...")
@@ -134,8 +137,7 @@ def _install_loss_method(model: torch.nn.Module) -> None:
         return
 
     def method(self, input_ids, position_ids, shift_labels, num_items_in_batch, chunk_size):
-        dec = self.get_decoder() if hasattr(self, "get_decoder") else self.model
-        hidden = dec(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = decoder_of(self)(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return causal_lm_loss(hidden, self.get_output_embeddings(), shift_labels=shift_labels,
                               num_items_in_batch=num_items_in_batch, chunk_size=chunk_size,
                               logit_softcap=final_logit_softcap(self))

@@ -105,6 +105,9 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if query.shape[2] != plan.local_len or key.shape[2] != plan.local_len:
         raise ValueError(f"the layer got {query.shape[2]} queries and {key.shape[2]} keys but the plan gives "
                          f"{plan.local_len} tokens per rank (a KV cache, or a batch not sharded with this plan?)")
+    chunk = fm_hf._chunk_size(module)
+    if chunk is not None and chunk < plan.seqlen:
+        raise _unsupported(f"chunked attention (attention_chunk_size={chunk}, Llama 4)")
     sw = kwargs.get("sliding_window")
     if sw is not None and int(sw) < plan.seqlen:  # a window no shorter than the row hides nothing
         sw = fm_hf._sliding_window(kwargs, causal, plan.seqlen, _unsupported)

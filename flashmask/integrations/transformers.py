@@ -41,9 +41,17 @@ Where the mask comes from, in order of precedence (per call of the attention fun
    Only used when query and key lengths are equal (no KV cache in use).
 4. otherwise plain causal (or full, for a non-causal module) attention.
 
+Where the model's own mask splits a row further, 2 and 3 are split with it: the mask function we
+register reads, from transformers' mask function, where a token stops seeing the one before it
+(:func:`padding_mask_function`). That brings the documents of restarting ``position_ids`` to models
+that do not pass ``position_ids`` on to their attention (Llama 4), and Llama 4's chunked attention
+(``attention_chunk_size`` on its RoPE layers: a token sees the earlier tokens of its chunk of the
+document, as in transformers, chunks counted from each document's first token).
+
 A 2-D padding ``attention_mask`` ``[B, S]`` (0 = padding) is honoured on top of any of these:
 padded keys are hidden from every query. No ``S x S`` mask is ever built: the mask function we
-register with ``AttentionMaskInterface`` only forwards the 2-D padding mask (or ``None``).
+register with ``AttentionMaskInterface`` only forwards the 2-D padding mask, the segment ids above
+(int32 ``[B, S]``) or ``None``.
 
 A ``sliding_window`` argument (Mistral, Qwen2, Gemma 3's local layers, ...) is honoured with transformers' own
 semantics: query ``i`` sees key ``j`` iff ``i - sliding_window < j <= i``.
@@ -60,8 +68,9 @@ of each row's softmax that carries no value. The CUDA kernels take both.
 
 What is not supported raises ``NotImplementedError`` instead of computing something else:
 attention dropout > 0 in training, head masks, relative position biases, paged caches, chunked
-attention (Llama 4), extra mask functions composed by the model (e.g. Gemma 3 image tokens on
-transformers 5.x), non-causal sliding windows and static KV caches. ``output_attentions`` gives
+attention with a KV cache or with an ``attn_mask_startend_row_indices`` other than causal C=1, extra mask
+functions composed by the model (e.g. Gemma 3 image tokens on transformers 5.x), non-causal sliding
+windows and static KV caches. ``output_attentions`` gives
 ``None`` weights (as with ``sdpa``).
 """
 from __future__ import annotations
@@ -177,31 +186,65 @@ def padding_mask_function(*args, attention_mask: Optional[torch.Tensor] = None, 
     """The mask "creation" transformers runs for our backend: no dense mask, ever.
 
     Returns the 2-D padding mask aligned with the keys, bool ``[B, kv_length]`` (True = real token),
-    or ``None`` when the model got no ``attention_mask``. Raises ``NotImplementedError`` for what the
-    backend cannot express: mask functions the model composes on top of the causal one (seen as
-    ``use_vmap=True`` on transformers 5.x), chunked attention, and KV caches whose keys do not end
-    at the current query (static caches).
+    or ``None`` when the model got no ``attention_mask``. Where the model's mask splits the row into
+    causal segments (packed documents that transformers found from restarting ``position_ids``,
+    Llama 4's chunks), it returns int32 segment ids ``[B, kv_length]`` instead (0 on padding; a new id
+    wherever the mask hides a token's predecessor from it, found with ``kv_length`` calls of the
+    model's mask function on adjacent pairs), so that models that do not pass ``position_ids`` on to
+    the attention (Llama 4) are split where their eager attention splits them.
+    Raises ``NotImplementedError`` for what the backend cannot express: mask functions the model
+    composes on top of the causal one (seen as ``use_vmap=True`` on transformers 5.x), chunked
+    attention with a KV cache, and KV caches whose keys do not end at the current query (static
+    caches).
     """
     if kwargs.get("use_vmap", False):
         raise NotImplementedError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r}: this model composes extra mask functions on top of the "
             "causal mask (e.g. bidirectional image tokens); they have no column-interval form here. Pass "
             f"`{MASK_KWARG}` explicitly or use another attention implementation")
-    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
-        raise NotImplementedError(f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support chunked attention "
-                                  "(config.attention_chunk_size)")
     _check_cache_alignment(q_length, q_offset, kv_length, kv_offset, cache_position)
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 2:
-        return attention_mask  # an already-prepared mask; the attention function decides
-    keep = attention_mask.to(torch.bool)
-    if kv_length is None:
+    if q_length is None and cache_position is not None:  # transformers 4.x
+        q_length = cache_position.shape[0]
+    # Without a cache the keys are the queries (the alignment check above): one segment walk serves both.
+    whole_row = kv_length is not None and kv_offset == 0 and q_length == kv_length
+    chunked = getattr(config, "attention_chunk_size", None) is not None
+    if chunked and not whole_row:
+        raise _unsupported("chunked attention (config.attention_chunk_size) with a KV cache")
+    keep = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return attention_mask  # an already-prepared mask; the attention function decides
+        keep = attention_mask.to(torch.bool)
+        if kv_length is not None:
+            need = kv_offset + kv_length
+            if keep.shape[-1] < need:  # cache slots beyond the given mask are empty
+                keep = torch.nn.functional.pad(keep, (0, need - keep.shape[-1]), value=False)
+            keep = keep[:, kv_offset:need]
+    mask_function = kwargs.get("mask_function")
+    # A compiled model keeps the plain padding mask unless chunks make the segments necessary: the
+    # check below would break its graph.
+    if mask_function is None or not whole_row or kv_length < 2 or (torch.compiler.is_compiling() and not chunked):
         return keep
-    need = kv_offset + kv_length
-    if keep.shape[-1] < need:  # cache slots beyond the given mask are empty
-        keep = torch.nn.functional.pad(keep, (0, need - keep.shape[-1]), value=False)
-    return keep[:, kv_offset:need]
+    device = kwargs.get("device") or (cache_position.device if cache_position is not None else None) or \
+        (keep.device if keep is not None else torch.device("cpu"))
+    batch = kwargs.get("batch_size") or (keep.shape[0] if keep is not None else 1)
+    starts = _segment_starts(mask_function, batch, kv_length, device)
+    if not (chunked and torch.compiler.is_compiling()) and not bool(starts[:, 1:].any()):
+        return keep
+    segments = torch.cumsum(starts, 1, dtype=torch.int32)
+    return segments if keep is None else segments * keep.to(device)
+
+
+def _segment_starts(mask_function, batch: int, length: int, device) -> torch.Tensor:
+    """bool ``[batch, length]``: where a token does not see the token before it under the model's
+    mask function (transformers' index-based ``(batch, head, q_idx, kv_idx)`` form, without padding)."""
+    j = torch.arange(1, length, device=device)[None]
+    b = torch.arange(batch, device=device)[:, None]
+    with torch.no_grad():
+        sees = torch.as_tensor(mask_function(b, torch.zeros_like(b), j, j - 1), device=device)
+    starts = torch.ones(batch, length, dtype=torch.bool, device=device)
+    starts[:, 1:] = ~sees.to(torch.bool).expand(batch, length - 1)
+    return starts
 
 
 def _check_cache_alignment(q_length, q_offset, kv_length, kv_offset, cache_position) -> None:
@@ -278,7 +321,21 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 
     # A 4-D mask is the whole truth (as in transformers): position_ids then only drive RoPE.
     dense_4d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-    startend = _resolve_mask(kwargs, causal, bsz, sq, sk, query.device, use_position_ids=not dense_4d)
+    starts = None
+    if _is_segments(attention_mask):
+        starts, attention_mask = _split_segments(attention_mask, bsz, sk, query.device)
+    chunk = _chunk_size(module)
+    if chunk is not None and chunk < sk and starts is None:
+        raise _unsupported(f"chunked attention (attention_chunk_size={chunk}) without the model's mask "
+                           "(this backend reads the chunks from it)")
+    startend = _resolve_mask(kwargs, causal, bsz, sq, sk, query.device, use_position_ids=not dense_4d,
+                             segment_starts=starts)
+    if chunk is not None and chunk < sk and kwargs.get(MASK_KWARG) is not None:
+        # A document mask takes the chunks of the model's own mask; in other layouts (DPO's shared
+        # prompt, whose answers' positions jump) that mask would also cut what the explicit one joins.
+        _check_once(_checked_chunk_mask, kwargs[MASK_KWARG], (bool(causal), chunk),
+                    lambda: _check_document_mask(startend, causal, chunk))
+        startend = torch.minimum(startend, from_starts(starts, causal))
     if attention_mask is not None:
         startend = _apply_attention_mask(startend, attention_mask, causal, bsz, sq, sk, query.device)
 
@@ -384,9 +441,39 @@ def _reject_unsupported(kwargs: dict, dropout: float) -> None:
                    "(output_attentions gives None)")
 
 
+def _is_segments(attention_mask) -> bool:
+    """Whether the attention mask is the segment ids of :func:`padding_mask_function` (int32, 2-D)."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and \
+        attention_mask.dtype == torch.int32
+
+
+def _split_segments(segments: torch.Tensor, bsz: int, sk: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Segment ids ``[B, Sk]`` -> (bool segment starts, bool padding mask: True = real token)."""
+    if segments.shape[-1] != sk or segments.shape[0] not in (1, bsz):
+        raise ValueError(f"2-D attention_mask has shape {tuple(segments.shape)}, expected [{bsz}, {sk}]")
+    segments = segments.to(device).expand(bsz, sk)
+    starts = torch.ones(bsz, sk, dtype=torch.bool, device=device)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return starts, segments != 0
+
+
+def _chunk_size(module) -> Optional[int]:
+    """The chunk of a chunked-attention layer (Llama 4: ``config.attention_chunk_size`` on the layers
+    whose ``config.layer_types`` entry is "chunked_attention"), else None."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if chunk is None or types is None or idx is None or types[idx] != "chunked_attention":
+        return None
+    return int(chunk)
+
+
 def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device,
-                  use_position_ids: bool = True) -> Optional[torch.Tensor]:
-    """The FlashMask tensor for this call (before padding), or None for plain causal/full."""
+                  use_position_ids: bool = True, segment_starts: Optional[torch.Tensor] = None
+                  ) -> Optional[torch.Tensor]:
+    """The FlashMask tensor for this call (before padding), or None for plain causal/full.
+    ``segment_starts`` (from the model's own mask, :func:`padding_mask_function`) split the
+    documents of cu_seq_lens or position_ids further; an explicit mask is returned as it is."""
     startend = kwargs.get(MASK_KWARG)
     if startend is not None:
         check_mask_tensor(startend, batch_size=bsz, name=MASK_KWARG)  # the rule of flashmask_attention
@@ -404,16 +491,19 @@ def _resolve_mask(kwargs: dict, causal: bool, bsz: int, sq: int, sk: int, device
         if sq != sk:
             raise _unsupported("cu_seq_lens_q/k together with a KV cache")
         _check_once(_checked_cu, cu_q, (bsz * sq,), lambda: check_cu_seqlens(cu_q, bsz * sq, "cu_seq_lens_q"))
-        return from_starts(cu_seqlens_starts(cu_q, bsz, sq, device), causal)
-
-    position_ids = kwargs.get("position_ids")
-    if use_position_ids and position_ids is not None and sq == sk and sq > 1 and position_ids.dim() in (1, 2) \
-            and position_ids.shape[-1] == sq:
-        pos = position_ids.to(device).reshape(-1, sq)
-        if pos.shape[0] != bsz:
-            pos = pos.expand(bsz, -1)
-        return from_starts(document_starts(pos), causal)
-    return None
+        starts = cu_seqlens_starts(cu_q, bsz, sq, device)
+    else:
+        starts = None
+        position_ids = kwargs.get("position_ids")
+        if use_position_ids and position_ids is not None and sq == sk and sq > 1 and position_ids.dim() in (1, 2) \
+                and position_ids.shape[-1] == sq:
+            pos = position_ids.to(device).reshape(-1, sq)
+            if pos.shape[0] != bsz:
+                pos = pos.expand(bsz, -1)
+            starts = document_starts(pos)
+    if segment_starts is not None:
+        starts = segment_starts if starts is None else starts | segment_starts
+    return None if starts is None else from_starts(starts, causal)
 
 
 # (weak reference to the user's tensor, (its version counter, *arguments)) of the last tensor that
@@ -441,6 +531,22 @@ def _check_once(cache: list, user_tensor: torch.Tensor, args: tuple, check) -> N
         return
     check()
     cache[:] = [weakref.ref(user_tensor), key]
+
+
+_checked_chunk_mask: list = []
+
+
+def _check_document_mask(startend: torch.Tensor, causal: bool, chunk: int) -> None:
+    """Raise unless ``startend`` is a causal document mask (C=1, each key hidden from the rows past
+    its document, documents contiguous), the only explicit mask a chunked layer takes."""
+    what = f"chunked attention (attention_chunk_size={chunk}) with a {MASK_KWARG} other than a causal document mask"
+    if not causal or startend.shape[-1] != 1:
+        raise _unsupported(f"{what} (got causal={causal}, C={startend.shape[-1]})")
+    lts = startend[..., 0].flatten(0, 1)  # [B * Hm, S]
+    starts = torch.ones_like(lts, dtype=torch.bool)
+    starts[:, 1:] = lts[:, 1:] != lts[:, :-1]
+    if not torch.equal(from_starts(starts, True)[:, 0, :, 0], lts):
+        raise _unsupported(what)
 
 
 def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:

@@ -269,6 +269,27 @@ def test_cp_backend_sliding_window_on_one_process():
         cp_hf.cp_attention_forward(module, q[:, :, :8], k[:, :, :8], v[:, :, :8], None, sliding_window=6)
 
 
+def test_cp_backend_raises_on_chunked_attention():
+    """Llama 4's chunked layers have no context-parallel plan here: a clear error, not full attention."""
+    pytest.importorskip("transformers")
+    import types
+
+    import flashmask.distributed.hf as cp_hf
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    module.config = types.SimpleNamespace(attention_chunk_size=8, layer_types=["chunked_attention"])
+    pos = torch.arange(32).view(1, 32)
+    local, plan = fmd.shard_packed_batch({"input_ids": torch.zeros(1, 32, dtype=torch.long), "position_ids": pos},
+                                         mode="ulysses")
+    q, k, v = (plan.shard(torch.randn(1, 2, 32, 8), 2) for _ in range(3))
+    with cp_hf.context_parallel(plan), pytest.raises(NotImplementedError, match="'fm_cp'.*attention_chunk_size=8"):
+        cp_hf.cp_attention_forward(module, q, k, v, None)
+    module.config.layer_types = ["full_attention"]  # a global layer of the same model runs
+    with cp_hf.context_parallel(plan):
+        cp_hf.cp_attention_forward(module, q, k, v, None)
+
+
 @pytest.mark.parametrize("softcap,use_sinks", [(2.0, False), (0.0, True), (1.5, True)])
 def test_single_process_plans_with_softcap_and_sinks(softcap, use_sinks):
     torch.manual_seed(2)

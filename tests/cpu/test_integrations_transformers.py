@@ -3,6 +3,8 @@
 Oracle: each document (or prompt + response) run alone through the same weights with ``sdpa``
 and ``use_cache=False``. Works on transformers 4.53+ and 5.x.
 """
+import types
+
 import pytest
 import torch
 
@@ -446,6 +448,61 @@ def test_unsupported_arguments_raise():
                                     attention_mask=None)
     with pytest.raises(NotImplementedError, match="extra mask functions"):
         fm_hf.padding_mask_function(batch_size=1, q_length=3, kv_length=3, use_vmap=True)
+
+
+def test_mask_function_gives_the_segments_of_the_model_mask():
+    """What transformers' own mask function hides between neighbours (packed documents, Llama 4's
+    chunks) comes back as int32 segment ids (0 on padding); a plain causal mask as the padding mask."""
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+
+    f = fm_hf.padding_mask_function
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])  # the packed-sequence index of each token
+    packed = and_masks(causal_mask_function, packed_sequence_mask_function(docs))
+    kw = dict(batch_size=1, q_length=8, q_offset=0, kv_length=8, kv_offset=0)
+    assert f(**kw, mask_function=packed).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3]]
+    am = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
+    got = f(**kw, mask_function=packed, attention_mask=am)
+    assert got.dtype == torch.int32 and got.tolist() == [[1, 1, 1, 2, 2, 3, 3, 0]]
+    assert f(**kw, mask_function=causal_mask_function) is None
+    assert f(**kw, mask_function=causal_mask_function, attention_mask=am).tolist() == [am.bool().tolist()[0]]
+
+    chunked = types.SimpleNamespace(attention_chunk_size=4)
+    chunks = and_masks(causal_mask_function, lambda b, h, q, kv: q // 4 == kv // 4)
+    assert f(**kw, mask_function=chunks, config=chunked).tolist() == [[1, 1, 1, 1, 2, 2, 2, 2]]
+    with pytest.raises(NotImplementedError, match="chunked attention.*KV cache"):
+        f(batch_size=1, q_length=1, q_offset=7, kv_length=8, kv_offset=0, mask_function=chunks, config=chunked)
+
+
+def test_attention_function_reads_documents_and_chunks_from_segment_ids():
+    """Segment ids split the documents of position_ids further (a chunk inside a document), and an
+    explicit document mask of a chunked layer; a chunked layer without them, or with another explicit
+    mask (DPO's shared prompt), raises rather than attend across its chunks."""
+    import masks
+    from flashmask import reference_attention
+
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 2, 10, 8), torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
+    m = torch.nn.Module()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    seg = torch.tensor([[1, 1, 1, 1, 2, 2, 3, 3, 3, 3]], dtype=torch.int32)  # chunks of 4 within each document
+    seg[0, 9] = 0  # the last token is padding
+    got, _ = fm_hf.flashmask_attention_forward(m, q, k, v, seg, position_ids=pos)
+    mask = masks.from_cu_seqlens(torch.tensor([0, 4, 6, 10]), seqlen=10)
+    mask[..., 9, 0] = 0
+    want = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal=True)[0]
+    torch.testing.assert_close(got[:, :9], want[:, :9])  # the padded query's row is never read
+
+    m.layer_idx, m.config = 0, types.SimpleNamespace(attention_chunk_size=4, layer_types=["chunked_attention"])
+    with pytest.raises(NotImplementedError, match="attention_chunk_size=4.*without the model's mask"):
+        fm_hf.flashmask_attention_forward(m, q, k, v, None, position_ids=pos)
+    # an explicit document mask (C=1) takes the chunks of the segments; a C=2 one raises
+    got, _ = fm_hf.flashmask_attention_forward(m, q, k, v, seg, **{MASK_KEY: masks.from_cu_seqlens(
+        torch.tensor([0, 6, 10]), seqlen=10)})
+    torch.testing.assert_close(got[:, :9], want[:, :9])
+    with pytest.raises(NotImplementedError, match=f"attention_chunk_size=4.*{MASK_KEY} other than a causal doc"):
+        fm_hf.flashmask_attention_forward(m, q, k, v, seg, **{MASK_KEY: masks.share_question(10, [4, 3, 3])})
+    m.config.attention_chunk_size = 10  # a chunk no shorter than the row hides nothing
+    fm_hf.flashmask_attention_forward(m, q, k, v, None, position_ids=pos)
 
 
 def test_attention_function_handles_gqa_noncausal_and_window_directly():

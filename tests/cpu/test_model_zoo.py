@@ -3,9 +3,10 @@ the CPU, against transformers' eager attention.
 
 Families (tests/model_zoo.py): Llama 3, Qwen3, Mistral (sliding window), Phi-3 (head dim 96), Gemma 2
 (soft-capping, sliding and global layers, head dim 256), Gemma 3 (sliding and global, head dim 256),
-GPT-OSS (attention sinks, sliding and global, head dim 64, a tiny mixture of experts) and DeepSeek-V3
-(multi-head latent attention: q/k 192, v 128). For each: what reaches the attention (head dims,
-heads, window per layer, softcap, sinks), then logits and every parameter's gradient (the sinks'
+GPT-OSS (attention sinks, sliding and global, head dim 64, a tiny mixture of experts), DeepSeek-V3
+(multi-head latent attention: q/k 192, v 128) and Llama 4 (chunked attention and a global layer
+without RoPE; it does not pass position_ids to its attention). For each: what reaches the attention
+(head dims, heads, window per layer, softcap, sinks), then logits and every parameter's gradient (the sinks'
 included) on a plain batch, on padded batches (right and left), and on one row packed from documents
 told apart only by restarting position_ids, against eager on each document alone.
 """
@@ -110,19 +111,46 @@ def test_padded_batch_matches_eager(family, side):
     assert_grads_close(model, got_g, want_g)
 
 
-@pytest.mark.parametrize("family", families())
-def test_packed_row_matches_each_document_alone_under_eager(family):
-    """One row of documents told apart by restarting position_ids only (some longer than the sliding
-    window); each document's first token has no label, so the packed loss is the token-weighted mean
-    of the documents' own losses."""
-    model = make_model(transformers, family, NAME, seed=3)
-    g = torch.Generator().manual_seed(3)
+def packed_row(seed=3):
+    """Documents of 5, 11, 4 and 9 tokens in one row, told apart by restarting position_ids only; each
+    document's first token has no label."""
+    g = torch.Generator().manual_seed(seed)
     docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 11, 4, 9)]
     labels = [d.clone() for d in docs]
     for x in labels:
         x[0] = -100
     row = {"input_ids": torch.cat(docs)[None], "position_ids": torch.cat([torch.arange(len(d)) for d in docs])[None],
            "labels": torch.cat(labels)[None]}
+    return docs, row
+
+
+@pytest.mark.parametrize("chunk", [zoo.CHUNK, 1024], ids=["chunked", "chunk_longer_than_the_row"])
+def test_llama4_packed_row_matches_eager_on_the_row(chunk):
+    """Llama 4 does not pass position_ids on to its attention: the backend reads the documents (and,
+    with chunks, the chunks) from the model's own mask, so it matches eager on the same packed row on
+    any transformers (reading neither, it attended across the documents)."""
+    if not zoo.has_family(transformers, "llama4"):
+        pytest.skip("this transformers has no llama4")
+    model = make_model(transformers, "llama4", NAME, seed=4, attention_chunk_size=chunk)
+    _, row = packed_row(seed=4)
+    (got,), got_g = logits_and_grads(model, NAME, [row])
+    (want,), want_g = logits_and_grads(model, "eager", [row])
+    torch.testing.assert_close(got, want, **TOL)
+    assert_grads_close(model, got_g, want_g)
+    whole = dict(row, position_ids=torch.arange(row["input_ids"].shape[1])[None])
+    (across,), _ = logits_and_grads(model, "eager", [whole])
+    assert (across - want).abs().max() > 1000 * TOL["atol"]
+
+
+@pytest.mark.parametrize("family", families())
+def test_packed_row_matches_each_document_alone_under_eager(family):
+    """One row of documents told apart by restarting position_ids only (some longer than the sliding
+    window); each document's first token has no label, so the packed loss is the token-weighted mean
+    of the documents' own losses."""
+    if family == "llama4" and not zoo.chunks_follow_documents(transformers):
+        pytest.skip("this transformers counts Llama 4's chunks from the packed row's first token")
+    model = make_model(transformers, family, NAME, seed=3)
+    docs, row = packed_row()
     (got,), got_g = logits_and_grads(model, NAME, [row])
 
     n_targets = sum(len(d) - 1 for d in docs)

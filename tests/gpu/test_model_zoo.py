@@ -1,6 +1,7 @@
 """The transformers backend on the model families of tests/model_zoo.py in bfloat16 on the GPU, each
 at its attention shape (head dims 64, 96, 128, 256 and DeepSeek-V3's (192, 128), GQA, sliding and
-global layers with a 256-token window, Gemma 2's soft-capping, GPT-OSS's sinks), against eager.
+global layers with a 256-token window, Llama 4's 256-token chunks, Gemma 2's soft-capping, GPT-OSS's
+sinks), against eager.
 
 Every family's attention is forced onto the kernels (backend="cuda": a fallback to the reference
 path raises), soft-capping and sinks included.
@@ -39,6 +40,7 @@ OVERRIDES = {
     "phi3": dict(hidden_size=384, num_attention_heads=4, num_key_value_heads=2),
     "gpt_oss": dict(num_local_experts=1, num_experts_per_tok=1),
     "deepseek_v3": dict(first_k_dense_replace=2),
+    "llama4": dict(moe_layers=[], attention_chunk_size=WINDOW),
 }
 
 
@@ -79,6 +81,12 @@ def skip_without_kernels(family):
 
 
 
+def skip_unless_chunks_follow_documents(family):
+    if family == "llama4" and not model_zoo.chunks_follow_documents(transformers):
+        pytest.skip("this transformers counts Llama 4's chunks from the packed row's first token (the CPU tests "
+                    "check the backend against eager on such a row)")
+
+
 def models(family, seed=0):
     """(bf16 model on the flashmask backend, float32 copy of the same bf16-rounded weights on eager)."""
     skip_without_kernels(family)
@@ -98,6 +106,7 @@ FAMILIES = list(model_zoo.FAMILIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_row_bf16_matches_documents_alone(family, family_calls):
     """Documents (some longer than the window) told apart by restarting position_ids only."""
+    skip_unless_chunks_follow_documents(family)
     m16, m32 = models(family)
     docs = docs_for(1, 8, 30, 700)
     b = PackedSFTCollator(2048, padding="max_length")([{"input_ids": d} for d in docs])
@@ -130,6 +139,7 @@ def assert_sinks_have_grads(model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_sft_bf16_gradients_match_separate_documents(family, family_calls):
     """Every parameter's gradient (the sinks' included) of a packed SFT loss."""
+    skip_unless_chunks_follow_documents(family)
     m16, m32 = models(family, seed=3)
     check_packed_sft_gradients(
         m16.train(), m32.train(), docs_for(4, 6, 50, 600), NAME, "eager",

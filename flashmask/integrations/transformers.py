@@ -45,8 +45,10 @@ Where the model's own mask splits a row further, 2 and 3 are split with it: the 
 register reads, from transformers' mask function, where a token stops seeing the one before it
 (:func:`padding_mask_function`). That brings the documents of restarting ``position_ids`` to models
 that do not pass ``position_ids`` on to their attention (Llama 4), and Llama 4's chunked attention
-(``attention_chunk_size`` on its RoPE layers: a token sees the earlier tokens of its chunk of the
-document, as in transformers, chunks counted from each document's first token).
+(``attention_chunk_size`` on its RoPE layers: a token sees the earlier tokens of its chunk). The
+chunks are those transformers' mask draws: on a packed row, newer transformers count them from each
+document's first token, older 5.x ones (5.17) from the row's first token. On a chunked layer an
+explicit ``attn_mask_startend_row_indices`` must be a causal document mask, and takes the chunks.
 
 A 2-D padding ``attention_mask`` ``[B, S]`` (0 = padding) is honoured on top of any of these:
 padded keys are hidden from every query. No ``S x S`` mask is ever built: the mask function we
@@ -68,10 +70,10 @@ of each row's softmax that carries no value. The CUDA kernels take both.
 
 What is not supported raises ``NotImplementedError`` instead of computing something else:
 attention dropout > 0 in training, head masks, relative position biases, paged caches, chunked
-attention with a KV cache or with an ``attn_mask_startend_row_indices`` other than causal C=1, extra mask
-functions composed by the model (e.g. Gemma 3 image tokens on transformers 5.x), non-causal sliding
-windows and static KV caches. ``output_attentions`` gives
-``None`` weights (as with ``sdpa``).
+attention with a KV cache or with an ``attn_mask_startend_row_indices`` other than a causal document
+mask, extra mask functions composed by the model (e.g. Gemma 3 image tokens on transformers 5.x),
+non-causal sliding windows and static KV caches. ``output_attentions`` gives ``None`` weights (as
+with ``sdpa``).
 """
 from __future__ import annotations
 

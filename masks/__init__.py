@@ -29,7 +29,7 @@ from . import (
 from .causal import causal_mask_mod
 from .causal_blockwise import causal_blockwise_mask_mod
 from .causal_document import causal_document_mask_mod
-from .convert import from_dense, merge_window, window_to_startend
+from .convert import from_dense, merge_chunks, merge_window, window_to_startend
 from .document import document_mask_mod
 from .format import Intervals, check_columns, check_tensor, to_dense, unpack, validate
 from .full import full_mask_mod
@@ -65,7 +65,7 @@ random_eviction = random_eviction.random_eviction
 
 __all__ = [
     "FAMILIES", "Intervals", "check_columns", "check_tensor", "unpack", "to_dense", "validate", "from_dense",
-    "window_to_startend", "merge_window", "from_cu_seqlens", "from_position_ids", "document_starts", "plot_mask",
-    "visible_fraction", "eviction_rows",
+    "window_to_startend", "merge_window", "merge_chunks", "from_cu_seqlens", "from_position_ids", "document_starts",
+    "plot_mask", "visible_fraction", "eviction_rows",
     *FAMILIES, *(f"{n}_mask_mod" for n in FAMILIES),
 ]

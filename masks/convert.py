@@ -15,6 +15,7 @@ import torch
 from . import _intervals
 from ._spec import check_batch_size, is_int
 from .format import unpack
+from .packed import document_starts, from_starts
 
 
 def from_dense(mask: torch.Tensor, causal: bool, num_columns: Optional[int] = None) -> torch.Tensor:
@@ -102,30 +103,71 @@ def merge_window(startend_row_indices: Optional[torch.Tensor], causal: bool, win
     if startend_row_indices is None:
         return window_to_startend(window_size, seqlen_q, seqlen_k or seqlen_q, causal)
     t = startend_row_indices
+    if seqlen_k is not None and seqlen_k != t.shape[2]:
+        raise ValueError(f"seqlen_k={seqlen_k} but startend_row_indices has Sk={t.shape[2]}")
+    w = window_to_startend(window_size, seqlen_q, t.shape[2], causal, device=t.device)[0, 0]  # [Sk, C']
+    return _merge_bounds(t, causal, w[:, 0], None if causal else w[:, 1], seqlen_q,
+                         lambda b, j: f"the window's {w[j].tolist()}")
+
+
+def merge_chunks(startend_row_indices: Optional[torch.Tensor], chunk_size: int, seqlen: int,
+                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Intersect a causal mask (``Sq = Sk = seqlen``) with chunked attention (Llama 4): a token sees
+    only the earlier tokens of its chunk, chunks of ``chunk_size`` positions counted from each
+    document's first token (position 0). ``position_ids`` ``[B, S]`` (or ``[S]``): the tokens'
+    positions in their documents (packed rows restart them; a chunk also ends wherever they do not
+    grow by exactly 1); default ``0 .. S-1``.
+
+    ``None`` gives the chunks alone (int32 ``[B, 1, S, 1]``). C=1 always fits; a C=2 causal mask is
+    merged where each column's masked rows still form one run besides the chunk's, else
+    ``ValueError`` naming the column. Returns int32 with the input's C (and the positions' batch).
+    """
+    if not is_int(chunk_size) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    device = startend_row_indices.device if startend_row_indices is not None else (
+        position_ids.device if position_ids is not None else None)
+    j = torch.arange(seqlen, device=device)
+    pos = j[None] if position_ids is None else position_ids.reshape(-1, position_ids.shape[-1]).to(device)
+    if pos.shape[-1] != seqlen:
+        raise ValueError(f"position_ids has {pos.shape[-1]} tokens, expected seqlen={seqlen}")
+    # [B, 1, S]: the row where a key's chunk ends: chunk_size positions on, or where the positions restart
+    doc_end = from_starts(document_starts(pos), True)[:, :, :, 0]
+    end = torch.minimum(j - pos % chunk_size + chunk_size, doc_end[:, 0])[:, None, :]
+    if startend_row_indices is None:
+        return end.unsqueeze(-1).to(torch.int32)
+    t = startend_row_indices
+    if t.shape[2] != seqlen:
+        raise ValueError(f"startend_row_indices has Sk={t.shape[2]}, expected seqlen={seqlen}")
+    if t.shape[0] != end.shape[0]:
+        if min(t.shape[0], end.shape[0]) != 1:
+            raise ValueError(f"startend_row_indices has batch {t.shape[0]} but position_ids {end.shape[0]}")
+        t, end = t.expand(max(t.shape[0], end.shape[0]), -1, -1, -1), end.expand(t.shape[0], -1, -1)
+    return _merge_bounds(t, True, end, None, seqlen, lambda b, j: f"the chunk's end row {int(end[b, 0, j])}")
+
+
+def _merge_bounds(t: torch.Tensor, causal: bool, lower: torch.Tensor, upper: Optional[torch.Tensor], sq: int,
+                  bound_text) -> torch.Tensor:
+    """The mask ``t`` with, in every key column j, the rows ``>= lower[..., j]`` (and, non-causal, the
+    rows ``< upper[..., j]``) masked too; ``lower`` / ``upper`` broadcast against ``[B, Hm, Sk]``."""
     iv = unpack(t, causal)
     sk, c = t.shape[2], t.shape[3]
-    if seqlen_k is not None and seqlen_k != sk:
-        raise ValueError(f"seqlen_k={seqlen_k} but startend_row_indices has Sk={sk}")
-    w = window_to_startend(window_size, seqlen_q, sk, causal, device=t.device)[0, 0]  # [Sk, C']
-    wl = w[:, 0]
     if causal and c == 1:
-        return torch.minimum(t[..., 0], wl).unsqueeze(-1).to(torch.int32)
+        return torch.minimum(t[..., 0], lower).unsqueeze(-1).to(torch.int32)
     if not causal and c == 2:
-        return torch.stack([torch.minimum(iv.lts, wl), torch.maximum(iv.ute, w[:, 1])], -1).to(torch.int32)
-    sq = int(seqlen_q)
+        return torch.stack([torch.minimum(iv.lts, lower), torch.maximum(iv.ute, upper)], -1).to(torch.int32)
     full = torch.full_like(iv.lts, sq)
     if causal:  # clip to the rows below the diagonal, which the flag does not already mask
         d = (torch.arange(sk, device=t.device) - (sk - sq)).clamp(0, sq)
-        lo = torch.stack([torch.maximum(iv.lts, d), torch.maximum(wl, d).expand_as(iv.lts)], -1)
+        lo = torch.stack([torch.maximum(iv.lts, d), torch.maximum(lower, d).expand_as(iv.lts)], -1)
         hi = torch.stack([iv.lte, full], -1)
     else:
         zero = torch.zeros_like(iv.lts)
-        lo = torch.stack([iv.lts, iv.uts, wl.expand_as(zero), zero], -1)
-        hi = torch.stack([iv.lte, iv.ute, full, w[:, 1].expand_as(zero)], -1)
+        lo = torch.stack([iv.lts, iv.uts, lower.expand_as(zero), zero], -1)
+        hi = torch.stack([iv.lte, iv.ute, full, upper.expand_as(zero)], -1)
     runs = _intervals.runs_of_union(lo, hi)
 
     def describe(b, h, j):
-        return (f"the mask's masked rows {t[b, h, j].tolist()} and the window's {w[j].tolist()} together form "
+        return (f"the mask's masked rows {t[b, h, j].tolist()} and {bound_text(b, j)} together form "
                 f"{int(runs.count[b, h, j])} separate runs")
 
     return _intervals.encode(runs, causal, c, sq, describe)

@@ -23,8 +23,10 @@ flashmask backend's (:func:`flashmask.integrations.transformers.padding_mask_fun
 mask is built. Logit soft-capping (``softcap``, Gemma 2) and attention sinks (``s_aux``, GPT-OSS) are
 passed through, and a layer's ``sliding_window`` (Mistral, Gemma 2/3, GPT-OSS) runs on the plan
 with the window merged into its mask (:meth:`ContextParallelPlan.windowed`, made once per batch and
-window), checked against the batch's position ids as the ``fm_colmask`` backend does. Not supported
-(raises): padding masks, KV caches, dropout, sliding windows on non-causal attention.
+window), checked against the batch's position ids as the ``fm_colmask`` backend does; Llama 4's
+chunked layers on the plan with the chunks of those position ids merged in
+(:meth:`ContextParallelPlan.chunked`). Not supported (raises): padding masks, KV caches, dropout,
+sliding windows on non-causal attention, chunks on a mask other than causal documents.
 
 The name contains none of "flash", "sdpa", "flex_attention" (transformers 5.x reserves them).
 """
@@ -107,7 +109,10 @@ def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          f"{plan.local_len} tokens per rank (a KV cache, or a batch not sharded with this plan?)")
     chunk = fm_hf._chunk_size(module)
     if chunk is not None and chunk < plan.seqlen:
-        raise _unsupported(f"chunked attention (attention_chunk_size={chunk}, Llama 4)")
+        try:
+            plan = plan.chunked(chunk, batch_size=query.shape[0])
+        except ValueError as e:
+            raise _unsupported(f"chunked attention (attention_chunk_size={chunk}) on this plan's mask: {e}") from None
     sw = kwargs.get("sliding_window")
     if sw is not None and int(sw) < plan.seqlen:  # a window no shorter than the row hides nothing
         sw = fm_hf._sliding_window(kwargs, causal, plan.seqlen, _unsupported)

@@ -25,8 +25,9 @@ import torch
 from flashmask.distributed import _comm
 from flashmask.distributed.balance import Balance, balance_chunks
 from flashmask.distributed.intervals import slice_rows
-from masks.convert import merge_window, window_to_startend
+from masks.convert import merge_chunks, merge_window, window_to_startend
 from masks.format import check_tensor as check_mask_tensor
+from masks.packed import document_starts, from_starts
 
 MODES = ("ulysses", "allgather_kv")
 
@@ -101,19 +102,52 @@ class ContextParallelPlan:
         ``batch_size`` is the mask's batch where the plan has no mask. Made once per window and
         kept; raises ``ValueError`` where the window and a C=2 causal or C=4 mask together need
         more column intervals than the mask has."""
-        key = (int(window_size[0]), int(window_size[1]), int(batch_size))
-        if key not in self._windowed:
-            mask = self.startend_row_indices
-            if mask is None:
-                mask = window_to_startend(key[:2], self.seqlen, self.seqlen, self.causal, batch_size=key[2],
+        key = ("window", int(window_size[0]), int(window_size[1]), int(batch_size))
+
+        def mask(m):
+            if m is None:
+                return window_to_startend(key[1:3], self.seqlen, self.seqlen, self.causal, batch_size=key[3],
                                           device=self.local_index.device)
-            else:
-                mask = merge_window(mask, self.causal, key[:2], self.seqlen)
+            return merge_window(m, self.causal, key[1:3], self.seqlen)
+
+        return self._restricted(key, mask)
+
+    def chunked(self, chunk_size: int, batch_size: int = 1) -> "ContextParallelPlan":
+        """This plan under its mask intersected with chunked attention (Llama 4's
+        ``attention_chunk_size``; :func:`masks.merge_chunks`): chunks of ``chunk_size`` positions,
+        counted from each document's first token by the plan's ``position_ids`` (from the row's
+        first token where it has none). As :meth:`windowed` otherwise: the same sharding, made once
+        per chunk size and kept; ``ValueError`` for a non-causal plan or a C=2 mask whose columns
+        the chunks cut into more runs than it has."""
+        if not self.causal:
+            raise ValueError("chunked attention needs a causal plan (causal=True)")
+        key = ("chunk", int(chunk_size), int(batch_size))
+
+        def mask(m):
+            pos = self.position_ids
+            if m is None and pos is None:
+                pos = torch.arange(self.seqlen, device=self.local_index.device).expand(key[2], -1)
+            if m is not None and pos is not None:
+                # A chunk is counted along the rows that see a key: their positions must go on from
+                # the key's, which a DPO answer whose positions continue from the prompt breaks.
+                doc_end = from_starts(document_starts(pos.to(m.device)), True)[..., 0]
+                if m.shape[-1] != 1 or bool((m[..., 0] > doc_end).any()):
+                    raise ValueError("chunked attention needs a causal document mask (C=1) whose keys are seen only "
+                                     "by rows of their own document in position_ids (no position jump)")
+            return merge_chunks(m, key[1], self.seqlen, pos)
+
+        return self._restricted(key, mask)
+
+    def _restricted(self, key: tuple, mask) -> "ContextParallelPlan":
+        """The plan with ``mask(its mask)`` as its mask (kept under ``key``): the chunk masks and
+        the balance's work recounted, the sharding unchanged."""
+        if key not in self._windowed:
+            m = mask(self.startend_row_indices)
             bal, chunk_masks = self.balance, []
             if bal is not None:
-                bal = bal.under(mask, self.causal)
-                chunk_masks = _chunk_masks(mask, self.causal, self.seqlen, bal, self.rank)
-            self._windowed[key] = replace(self, startend_row_indices=mask, balance=bal, chunk_masks=chunk_masks,
+                bal = bal.under(m, self.causal)
+                chunk_masks = _chunk_masks(m, self.causal, self.seqlen, bal, self.rank)
+            self._windowed[key] = replace(self, startend_row_indices=m, balance=bal, chunk_masks=chunk_masks,
                                           _windowed={})
         return self._windowed[key]
 

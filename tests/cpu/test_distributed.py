@@ -269,26 +269,57 @@ def test_cp_backend_sliding_window_on_one_process():
         cp_hf.cp_attention_forward(module, q[:, :, :8], k[:, :, :8], v[:, :, :8], None, sliding_window=6)
 
 
-def test_cp_backend_raises_on_chunked_attention():
-    """Llama 4's chunked layers have no context-parallel plan here: a clear error, not full attention."""
-    pytest.importorskip("transformers")
+def _llama4_like_module(chunk):
     import types
-
-    import flashmask.distributed.hf as cp_hf
 
     module = torch.nn.Module()
     module.layer_idx = 0
-    module.config = types.SimpleNamespace(attention_chunk_size=8, layer_types=["chunked_attention"])
-    pos = torch.arange(32).view(1, 32)
-    local, plan = fmd.shard_packed_batch({"input_ids": torch.zeros(1, 32, dtype=torch.long), "position_ids": pos},
-                                         mode="ulysses")
-    q, k, v = (plan.shard(torch.randn(1, 2, 32, 8), 2) for _ in range(3))
-    with cp_hf.context_parallel(plan), pytest.raises(NotImplementedError, match="'fm_cp'.*attention_chunk_size=8"):
-        cp_hf.cp_attention_forward(module, q, k, v, None)
-    module.config.layer_types = ["full_attention"]  # a global layer of the same model runs
-    with cp_hf.context_parallel(plan):
-        cp_hf.cp_attention_forward(module, q, k, v, None)
+    module.config = types.SimpleNamespace(attention_chunk_size=chunk, layer_types=["chunked_attention"])
+    return module
 
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["position_ids_only", "document_mask"])
+def test_chunked_plans_and_the_cp_backend_equal_the_chunks_on_one_process(with_mask):
+    """plan.chunked (Llama 4's chunked layers): the same sharding under the documents and the chunks
+    of the batch's position_ids, in both modes, through the fm_cp backend; equal to one process."""
+    pytest.importorskip("transformers")
+    import flashmask.distributed.hf as cp_hf
+
+    torch.manual_seed(5)
+    pos = torch.cat([torch.arange(20), torch.arange(28), torch.arange(16)]).view(1, 64)
+    batch = {"input_ids": torch.zeros(1, 64, dtype=torch.long), "position_ids": pos}
+    if with_mask:
+        batch[fmd.MASK_KEY] = masks.from_position_ids(pos)
+    q, k, v = (torch.randn(1, h, 64, 8, dtype=torch.float64) for h in (4, 2, 2))
+    mask = masks.merge_chunks(masks.from_position_ids(pos), 8, 64, pos)
+    want = flashmask_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal=True)
+    plain = flashmask_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks.from_position_ids(pos),
+                                causal=True)
+    assert not torch.allclose(want, plain)  # the chunks matter
+    for mode in fmd.MODES:
+        local, plan = fmd.shard_packed_batch(batch, mode=mode, align=8)
+        cplan = plan.chunked(8)
+        assert plan.chunked(8) is cplan and torch.equal(cplan.startend_row_indices, mask)
+        with cp_hf.context_parallel(plan):
+            got, _ = cp_hf.cp_attention_forward(_llama4_like_module(8), *(plan.shard(t, 2) for t in (q, k, v)), None)
+        torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
+
+
+def test_cp_backend_raises_where_chunks_meet_a_position_jump():
+    """A DPO row (the rejected answer's positions continue from the prompt): a chunk counted in
+    positions is not one run of rows there, so a chunked layer raises rather than mask it wrongly."""
+    pytest.importorskip("transformers")
+    import flashmask.distributed.hf as cp_hf
+
+    mask = masks.share_question(64, [24, 20, 20])
+    pos = torch.cat([torch.arange(44), torch.arange(24, 44)]).view(1, 64)
+    local, plan = fmd.shard_packed_batch({"input_ids": torch.zeros(1, 64, dtype=torch.long), "position_ids": pos,
+                                          fmd.MASK_KEY: mask}, mode="ulysses")
+    q, k, v = (plan.shard(torch.randn(1, 2, 64, 8), 2) for _ in range(3))
+    with cp_hf.context_parallel(plan), pytest.raises(NotImplementedError, match="'fm_cp'.*attention_chunk_size=8"):
+        cp_hf.cp_attention_forward(_llama4_like_module(8), q, k, v, None)
+    with cp_hf.context_parallel(plan):  # a chunk no shorter than the row hides nothing
+        cp_hf.cp_attention_forward(_llama4_like_module(64), q, k, v, None)
 
 @pytest.mark.parametrize("softcap,use_sinks", [(2.0, False), (0.0, True), (1.5, True)])
 def test_single_process_plans_with_softcap_and_sinks(softcap, use_sinks):

@@ -259,6 +259,43 @@ def test_merge_window_none_and_errors():
         merge_window(t, True, (3, 0), 6, seqlen_k=5)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda c: st.tuples(st.just(c), startend(causal=True))), st.integers(0, 2**31))
+def test_merge_chunks(case, seed):
+    """Against the definition: a token sees the earlier tokens of its chunk (chunk_size positions from
+    its document's position 0), on top of the mask; C=2 refuses only what it cannot express."""
+    chunk, (_, c, _, t) = case
+    s = t.shape[2]
+    t = t.clamp(max=s)  # Sq = Sk here
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(s, generator=g)[:int(torch.randint(0, 3, (1,), generator=g))].tolist()
+    starts = torch.zeros(s, dtype=torch.bool)
+    starts[[0] + cuts] = True
+    pos = torch.arange(s) - torch.where(starts, torch.arange(s), 0).cummax(0).values  # restarts at each cut
+    rows, cols = torch.arange(s)[:, None], torch.arange(s)[None]
+    same_chunk = (rows - pos[:, None] % chunk <= cols) & (cols <= rows)  # from the row's chunk start to the row
+    want = to_dense(t, True, s) & same_chunk
+    try:
+        got = masks.merge_chunks(t, chunk, s, pos)
+    except ValueError as e:
+        assert c == 2
+        b, h, j = (int(x) for x in re.search(r"batch (\d+), head (\d+), column (\d+)", str(e)).groups())
+        assert not _column_ok(want[b, h, :, j].tolist(), True, c, j, s, s)
+        return
+    validate(got, True, s)
+    assert torch.equal(to_dense(got, True, s), want)
+
+
+def test_merge_chunks_none_and_errors():
+    pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6])
+    assert masks.merge_chunks(None, 3, 12, pos).flatten().tolist() == [3, 3, 3, 5, 5, 8, 8, 8, 11, 11, 11, 12]
+    assert masks.merge_chunks(None, 4, 6).flatten().tolist() == [4, 4, 4, 4, 6, 6]
+    with pytest.raises(ValueError, match="chunk_size"):
+        masks.merge_chunks(None, 0, 6)
+    with pytest.raises(ValueError, match="position_ids has 5 tokens"):
+        masks.merge_chunks(None, 2, 6, torch.arange(5))
+
+
 # ---------------------------------------------------------------- packed sequences
 
 @st.composite

@@ -9,7 +9,8 @@ window on every other layer) with 8 layers; ``--arch gpt_oss`` preset ``20b`` = 
 widths (head dim 64, attention sinks, a 128-token window on every other layer) with 8 layers and
 one expert (a dense MLP); ``--arch deepseek_v3`` presets ``16h`` / ``32h`` = DeepSeek-V3's
 multi-head latent attention with 16 / 32 heads (q/k head dim 192, v head dim 128) and dense MLPs;
-``tiny`` of each for CPU tests; ``--layers`` sets the depth) trains with
+``--arch llama4`` preset ``scout`` = Llama 4 Scout's attention (chunks of 8192 on 3 layers of 4) with
+8 layers and dense MLPs; ``tiny`` of each for CPU tests; ``--layers`` sets the depth) trains with
 AdamW in bf16 on synthetic packed rows: random token ids, documents of random lengths packed to
 exactly the context length by :class:`flashmask.data.PackedSFTCollator` (``position_ids`` restart
 at every document, label ``-100`` on every document's first token, and the causal-document mask
@@ -275,9 +276,9 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
     cfg = model.config
     windows = layer_windows(cfg)
     notes = []
-    if windows is not None:
-        notes.append("sliding window " + str(windows["sliding_attention"]) + " on "
-                     + f"{cfg.layer_types.count('sliding_attention')}/{len(cfg.layer_types)} layers")
+    for kind, what in (("sliding_attention", "sliding window"), ("chunked_attention", "chunks of")):
+        if windows is not None and kind in windows:
+            notes.append(f"{what} {int(windows[kind])} on {cfg.layer_types.count(kind)}/{len(cfg.layer_types)} layers")
     notes += option_notes(method, model)
     if method == "flashmask":
         import flashmask

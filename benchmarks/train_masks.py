@@ -4,7 +4,7 @@ transformers model, per layer type, and the checks that they are the packed-docu
 flashmask gets the collator's ``startend_row_indices``; ``sdpa_dense`` and ``eager_dense`` a dense
 mask expanded from it; ``flex`` a ``BlockMask`` from a ``mask_mod`` reading it (or transformers' own
 from the restarting ``position_ids``). On a model with sliding-window layers each layer type gets
-its own mask, the window merged in as flashmask's backend merges it.
+its own mask, the window (or Llama 4's chunks) merged in as flashmask's backend merges it.
 """
 from __future__ import annotations
 
@@ -22,31 +22,53 @@ from benchmarks.train_data import synthetic_batches
 MASK_METHODS = ("flashmask", "sdpa_dense", "flex", "eager_dense")
 
 
+class Chunk(int):
+    """The chunk size of a chunked-attention layer type (Llama 4), told apart from a window."""
+
+    def __repr__(self) -> str:
+        return f"Chunk({int(self)})"
+
+
 def layer_windows(cfg) -> Optional[dict]:
-    """``{layer type: sliding window or None}`` of a model with sliding-window layers (Gemma 3, Qwen2
-    with a window), in the order of ``cfg.layer_types``; ``None`` when every layer attends alike."""
+    """``{layer type: sliding window, Chunk(size) or None}`` of a model with sliding-window layers
+    (Gemma 3, Qwen2 with a window) or chunked-attention ones (Llama 4), in the order of
+    ``cfg.layer_types``; ``None`` when every layer attends alike."""
     types = list(dict.fromkeys(getattr(cfg, "layer_types", None) or []))
-    if "sliding_attention" not in types:
+    if "sliding_attention" not in types and "chunked_attention" not in types:
         return None
-    other = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    other = [t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention")]
     if other:
-        raise RuntimeError(f"layer types {other} of this model have no mask here (full_attention and "
-                           "sliding_attention only)")
-    if getattr(cfg, "sliding_window", None) is None:
-        raise RuntimeError("the model has sliding_attention layers but config.sliding_window is None")
-    return {t: (int(cfg.sliding_window) if t == "sliding_attention" else None) for t in types}
+        raise RuntimeError(f"layer types {other} of this model have no mask here (full_attention, "
+                           "sliding_attention and chunked_attention only)")
+    limits = {"full_attention": None}
+    for kind, field, make in (("sliding_attention", "sliding_window", int),
+                              ("chunked_attention", "attention_chunk_size", Chunk)):
+        if kind in types:
+            if getattr(cfg, field, None) is None:
+                raise RuntimeError(f"the model has {kind} layers but config.{field} is None")
+            limits[kind] = make(getattr(cfg, field))
+    return {t: limits[t] for t in types}
 
 
-def layer_startends(startend: torch.Tensor, windows: Optional[dict]) -> dict:
+def layer_startends(startend: torch.Tensor, windows: Optional[dict],
+                    position_ids: Optional[torch.Tensor] = None) -> dict:
     """The mask of each layer type: ``startend`` itself, with the causal window ``w`` (key ``j``
-    seen from query ``i`` iff ``i - w < j <= i``, transformers' rule) merged in on sliding layers,
-    as flashmask's backend merges it. ``{None: startend}`` when every layer attends alike."""
-    from masks.convert import merge_window
+    seen from query ``i`` iff ``i - w < j <= i``, transformers' rule) merged in on sliding layers, and
+    the chunks of ``position_ids`` (:func:`masks.merge_chunks`) on chunked ones, as flashmask's
+    backend merges them. ``{None: startend}`` when every layer attends alike."""
+    from masks.convert import merge_chunks, merge_window
     if windows is None:
         return {None: startend}
     s = startend.shape[2]
-    return {t: startend if w is None or w >= s else merge_window(startend, True, (w - 1, 0), s)
-            for t, w in windows.items()}
+
+    def limited(w):
+        if w is None or w >= s:
+            return startend
+        if isinstance(w, Chunk):
+            return merge_chunks(startend, int(w), s, position_ids)
+        return merge_window(startend, True, (w - 1, 0), s)
+
+    return {t: limited(w) for t, w in windows.items()}
 
 
 def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: torch.dtype,
@@ -68,7 +90,7 @@ def mask_inputs(method: str, args, batch: dict, device: torch.device, dtype: tor
     if method not in ("sdpa_dense", "eager_dense", "flex"):
         raise ValueError(f"unknown method {method!r}; choose from {MASK_METHODS}")
     out = {}
-    for layer_type, se in layer_startends(startend, windows).items():
+    for layer_type, se in layer_startends(startend, windows, position_ids=batch.get("position_ids")).items():
         if method == "eager_dense":
             out[layer_type] = dense_mask(se, True, s, dtype=dtype)
         elif method == "sdpa_dense":
@@ -98,7 +120,8 @@ def hf_layer_masks(model, batch: dict, device: torch.device, dtype: torch.dtype,
         return {None: masking_utils.create_causal_mask(**kw)}
     out = {}
     for layer_type, w in windows.items():
-        make = masking_utils.create_causal_mask if w is None else masking_utils.create_sliding_window_causal_mask
+        make = (masking_utils.create_causal_mask if w is None else masking_utils.create_chunked_causal_mask
+                if isinstance(w, Chunk) else masking_utils.create_sliding_window_causal_mask)
         out[layer_type] = make(**kw)
     return out
 
@@ -134,11 +157,15 @@ def check_hf_packed_block_mask(model, args, batch: dict, device: torch.device, d
 
 def expected_mask(position_ids: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """bool ``[B, S, S]``: query ``i`` sees key ``j`` iff both are in the same document (documents
-    start where ``position_ids`` is 0), ``j <= i`` and, with a ``window``, ``i - window < j``."""
+    start where ``position_ids`` is 0), ``j <= i`` and, with a ``window``, ``i - window < j``; with a
+    :class:`Chunk`, both positions in the same chunk of that many."""
     doc = (position_ids == 0).cumsum(-1)
     i = torch.arange(position_ids.shape[-1], device=position_ids.device)
     seen = (doc[:, :, None] == doc[:, None, :]) & (i[None, :] <= i[:, None])
-    if window is not None:
+    if isinstance(window, Chunk):
+        chunk = position_ids // int(window)
+        seen &= chunk[:, :, None] == chunk[:, None, :]
+    elif window is not None:
         seen &= i[:, None] - i[None, :] < window
     return seen
 
@@ -172,11 +199,13 @@ def block_mask_as_dense(bm, bsz: int, s: int) -> torch.Tensor:
 def check_layer_masks(method: str, model, args, seqlen: int, device: torch.device, dtype: torch.dtype) -> str:
     """Before timing: the masks ``method`` gives the model (sdpa_dense: the dense masks; flex: our
     block masks, or transformers' with ``--flex-mask position_ids``), per layer type, on a small
-    packed row (up to 2048 tokens, or 4 windows) whose documents are longer than the window, equal
-    element by element :func:`expected_mask`. Raises ``RuntimeError``; returns a note."""
+    packed row (up to 2048 tokens, 4 windows or 4 chunks) whose documents are longer than the window,
+    equal element by element :func:`expected_mask`. Raises ``RuntimeError``; returns a note."""
     windows = layer_windows(model.config)
-    widest = max([w for w in (windows or {}).values() if w is not None], default=0)
-    s = min(seqlen, max(2048, 4 * widest))
+    limits = [w for w in (windows or {}).values() if w is not None]
+    widest = max([w for w in limits if not isinstance(w, Chunk)], default=0)
+    chunk = max([w for w in limits if isinstance(w, Chunk)], default=0)
+    s = min(seqlen, max(2048, 4 * widest, 4 * chunk))
     batch = synthetic_batches(1, min(args.batch, 2), s, args.vocab_size, (max(1, s // 8), max(1, s // 2)),
                               args.seed + 1)[0]
     batch = {k: v.to(device) for k, v in batch.items()}

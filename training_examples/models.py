@@ -74,11 +74,21 @@ DEEPSEEK_V3_SIZES = {
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
 
+# Llama 4 attention (Scout and Maverick: 40 query and 8 key/value heads of 128; three layers in four
+# attend within chunks of 8192 tokens with RoPE, the fourth globally without RoPE), with a dense MLP
+# on every layer in place of the mixture of experts: 16384 wide, the routed expert and the shared
+# one (8192 each) that a Scout token goes through.
+LLAMA4_SIZES = {
+    # CPU tests: layers 0-2 chunked, layer 3 global
+    "tiny": dict(hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, head_dim=16, chunk=16),
+    "scout": dict(hidden=5120, intermediate=16384, layers=8, heads=40, kv_heads=8, head_dim=128, chunk=8192),
+}
+
 _LLAMA_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
-ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "gpt_oss", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "llama4")
 #: The preset each arch builds when no size is named.
 DEFAULT_SIZE = {"llama": "0.5b", "qwen2": "0.5b", "gemma2": "2b", "gemma3": "1b", "gpt_oss": "20b",
-                "deepseek_v3": "16h"}
+                "deepseek_v3": "16h", "llama4": "scout"}
 #: The archs whose sliding window ``build_model(sliding_window=...)`` replaces (qwen2: adds one on every layer).
 WINDOW_ARCHS = ("qwen2", "gemma2", "gemma3", "gpt_oss")
 
@@ -95,6 +105,8 @@ def arch_sizes(arch: str) -> dict:
         return GPT_OSS_SIZES
     if arch == "deepseek_v3":
         return DEEPSEEK_V3_SIZES
+    if arch == "llama4":
+        return LLAMA4_SIZES
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 
@@ -176,6 +188,16 @@ def build_model(arch: str, size: str, *, attn_implementation: str, max_length: i
             num_local_experts=dims["experts"], num_experts_per_tok=dims["experts_per_token"], attention_dropout=0.0,
             tie_word_embeddings=False, **tokens)
         cls = transformers.GptOssForCausalLM
+    elif arch == "llama4":
+        # RoPE: the config's default base (500K), without the release's scaling; the NoPE layers'
+        # attention temperature as released (from 8192 tokens on).
+        cfg = transformers.Llama4TextConfig(
+            hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+            intermediate_size_mlp=dims["intermediate"], num_hidden_layers=layers, num_attention_heads=dims["heads"],
+            num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"], attention_chunk_size=dims["chunk"],
+            no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)], moe_layers=[], use_qk_norm=True,
+            attention_dropout=0.0, tie_word_embeddings=False, **tokens)
+        cls = transformers.Llama4ForCausalLM
     else:
         # Dense MLPs on every layer (first_k_dense_replace = layers); plain RoPE, not the release's YaRN.
         cfg = transformers.DeepseekV3Config(

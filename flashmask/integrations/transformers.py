@@ -48,7 +48,8 @@ that do not pass ``position_ids`` on to their attention (Llama 4), and Llama 4's
 (``attention_chunk_size`` on its RoPE layers: a token sees the earlier tokens of its chunk). The
 chunks are those transformers' mask draws: on a packed row, newer transformers count them from each
 document's first token, older 5.x ones (5.17) from the row's first token. On a chunked layer an
-explicit ``attn_mask_startend_row_indices`` must be a causal document mask, and takes the chunks.
+explicit ``attn_mask_startend_row_indices`` must be a causal document mask; the chunks are then
+counted from each of its documents' first token (:func:`masks.merge_chunks`), whatever the version.
 
 A 2-D padding ``attention_mask`` ``[B, S]`` (0 = padding) is honoured on top of any of these:
 padded keys are hidden from every query. No ``S x S`` mask is ever built: the mask function we
@@ -98,6 +99,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
 from flashmask.attention import flashmask_attention
+from masks.convert import merge_chunks
 from masks.format import check_tensor as check_mask_tensor
 from masks.format import validate as _validate_mask
 from masks.packed import check_cu_seqlens, cu_seqlens_starts, document_starts, from_starts
@@ -327,17 +329,19 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if _is_segments(attention_mask):
         starts, attention_mask = _split_segments(attention_mask, bsz, sk, query.device)
     chunk = _chunk_size(module)
-    if chunk is not None and chunk < sk and starts is None:
+    chunked = chunk is not None and chunk < sk
+    explicit = kwargs.get(MASK_KWARG) is not None
+    if chunked and not explicit and starts is None:
         raise _unsupported(f"chunked attention (attention_chunk_size={chunk}) without the model's mask "
                            "(this backend reads the chunks from it)")
     startend = _resolve_mask(kwargs, causal, bsz, sq, sk, query.device, use_position_ids=not dense_4d,
                              segment_starts=starts)
-    if chunk is not None and chunk < sk and kwargs.get(MASK_KWARG) is not None:
-        # A document mask takes the chunks of the model's own mask; in other layouts (DPO's shared
-        # prompt, whose answers' positions jump) that mask would also cut what the explicit one joins.
+    if chunked and explicit:
+        # A document mask gives each token's position in its document, from which the chunks are
+        # counted (any transformers). Other layouts (DPO's shared prompt) have no chunk form.
         _check_once(_checked_chunk_mask, kwargs[MASK_KWARG], (bool(causal), chunk),
                     lambda: _check_document_mask(startend, causal, chunk))
-        startend = torch.minimum(startend, from_starts(starts, causal))
+        startend = merge_chunks(startend, chunk, sk, _document_positions(startend[:, 0, :, 0]))
     if attention_mask is not None:
         startend = _apply_attention_mask(startend, attention_mask, causal, bsz, sq, sk, query.device)
 
@@ -544,11 +548,24 @@ def _check_document_mask(startend: torch.Tensor, causal: bool, chunk: int) -> No
     what = f"chunked attention (attention_chunk_size={chunk}) with a {MASK_KWARG} other than a causal document mask"
     if not causal or startend.shape[-1] != 1:
         raise _unsupported(f"{what} (got causal={causal}, C={startend.shape[-1]})")
-    lts = startend[..., 0].flatten(0, 1)  # [B * Hm, S]
+    lts = startend[..., 0]  # [B, Hm, S]
+    if not torch.equal(lts, lts[:, :1].expand_as(lts)):
+        raise _unsupported(f"{what} (its mask heads differ)")
+    if not torch.equal(from_starts(_document_starts_of(lts[:, 0]), True)[:, 0, :, 0], lts[:, 0]):
+        raise _unsupported(what)
+
+
+def _document_starts_of(lts: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, S]``: where a causal document mask's column ``[B, S]`` starts a document."""
     starts = torch.ones_like(lts, dtype=torch.bool)
     starts[:, 1:] = lts[:, 1:] != lts[:, :-1]
-    if not torch.equal(from_starts(starts, True)[:, 0, :, 0], lts):
-        raise _unsupported(what)
+    return starts
+
+
+def _document_positions(lts: torch.Tensor) -> torch.Tensor:
+    """``[B, S]``: each token's position in its document, of a causal document mask's column."""
+    t = torch.arange(lts.shape[-1], device=lts.device).expand_as(lts)
+    return t - torch.where(_document_starts_of(lts), t, 0).cummax(-1).values
 
 
 def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:

@@ -1,7 +1,7 @@
-"""CPU checks of benchmarks/bench_train.py on the Gemma 3 and DeepSeek-V3 presets: their shapes,
-the per-layer-type masks (document-causal, and a sliding window on Gemma 3's sliding layers) that
-flashmask, dense-mask SDPA and FlexAttention get, the logits of a packed row under each against
-its documents run alone, and tiny end-to-end runs."""
+"""CPU checks of benchmarks/bench_train.py on the Gemma 3, DeepSeek-V3 and Llama 4 presets: their
+shapes, the per-layer-type masks (document-causal, a sliding window on Gemma 3's sliding layers and
+chunks on Llama 4's chunked ones) that flashmask, dense-mask SDPA and FlexAttention get, the logits
+of a packed row under each against its documents run alone, and tiny end-to-end runs."""
 import argparse
 
 import pytest
@@ -90,11 +90,16 @@ def test_layer_startends_are_document_causal_with_the_window():
     assert train_masks.layer_startends(startend, None) == {None: startend}
     # a window as long as the row changes nothing
     assert train_masks.layer_startends(startend, {"sliding_attention": 96})["sliding_attention"] is startend
+    # chunks of 16 positions from each document's start
+    got = train_masks.layer_startends(startend, {"chunked_attention": train_masks.Chunk(16)}, position_ids=pos)
+    want = train_masks.expected_mask(pos, train_masks.Chunk(16))
+    assert torch.equal(to_dense(got["chunked_attention"], True)[:, 0], want)
+    assert not torch.equal(want, train_masks.expected_mask(pos, None))
 
 
 @pytest.mark.parametrize("method, flex_mask", [  # transformers compiles its block-mask builder: slow on the CPU
     ("sdpa_dense", "block_mask"), ("flex", "block_mask"), pytest.param("flex", "position_ids", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3", "llama4"])
 def test_method_masks_pass_the_check_and_a_missing_window_fails_it(arch, method, flex_mask, tmp_path, monkeypatch):
     if method == "flex":
         pytest.importorskip("torch.nn.attention.flex_attention")
@@ -102,10 +107,14 @@ def test_method_masks_pass_the_check_and_a_missing_window_fails_it(arch, method,
     args = _args(tmp_path, "--arch", arch, "--flex-mask", flex_mask, *extra)
     model = _tiny(arch, method, sliding_window=8 if arch == "gemma3" else None)
     note = train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
-    assert note == "masks checked on a 128-token row" + (" per layer type" if arch == "gemma3" else "")
-    if flex_mask == "position_ids":
+    assert note == "masks checked on a 128-token row" + (" per layer type" if arch != "deepseek_v3" else "")
+    if flex_mask == "position_ids" and arch != "llama4":
         b = train_data.synthetic_batches(1, 1, 128, 512, (20, 60), seed=5)[0]
         train_masks.check_hf_packed_block_mask(model, args, b, CPU, torch.float32)  # no raise
+    if arch == "llama4" and flex_mask == "block_mask":  # our masks without the chunks
+        monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows, **kw: {t: se for t in windows})
+        with pytest.raises(RuntimeError, match="chunked_attention layers' mask differs"):
+            train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
     if arch != "gemma3":
         return
     if flex_mask == "position_ids":  # transformers' masks, had it no window on the sliding layers
@@ -115,7 +124,7 @@ def test_method_masks_pass_the_check_and_a_missing_window_fails_it(arch, method,
             train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
         return
     # our masks without the window on the sliding layers
-    monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows: {t: se for t in windows})
+    monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows, **kw: {t: se for t in windows})
     with pytest.raises(RuntimeError, match="sliding_attention layers' mask differs .* with the sliding window"):
         train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
 
@@ -145,7 +154,7 @@ def _packed_logits_vs_documents(arch, methods, sliding_window=None):
     return got, b
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3", "llama4"])
 def test_flashmask_and_dense_sdpa_logits_equal_documents_alone(arch):
     got, b = _packed_logits_vs_documents(arch, ["flashmask", "sdpa_dense"], 8 if arch == "gemma3" else None)
     if arch == "gemma3":  # the window matters here: without it the logits differ
@@ -168,7 +177,7 @@ def test_flex_logits_equal_documents_alone(arch):
 
 # ------------------------------------------------------------------------------------------------ end to end
 
-@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek_v3", "llama4"])
 def test_end_to_end_on_cpu(arch, tmp_path):
     extra = ["--sliding-window", "16"] if arch == "gemma3" else []
     rows = bench_train.run(_args(tmp_path, "--arch", arch, "--gradient-checkpointing", "--steps", "1",
@@ -183,6 +192,8 @@ def test_end_to_end_on_cpu(arch, tmp_path):
     if arch == "gemma3":
         assert "sliding window 16 on 1/2 layers" in by["flashmask"]["notes"]
         assert "per layer type (2)" in by["sdpa_dense"]["notes"]
+    if arch == "llama4":
+        assert "chunks of 16 on 3/4 layers" in by["flashmask"]["notes"]
     # FlexAttention has no backward on the CPU: its masks pass the check, then the first step fails.
     flex = by["flex"]
     if flex["status"] != "ok":

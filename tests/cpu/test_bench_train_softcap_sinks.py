@@ -124,7 +124,7 @@ def test_method_masks_pass_the_check(arch, method, tmp_path, monkeypatch):
         masks = train_masks.mask_inputs(method, args, b, CPU, torch.float32, train_masks.layer_windows(model.config))
         assert {m.dtype for m in masks["attention_mask"].values()} == {torch.float32}
     # without the window on the sliding layers the check fails
-    monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows: {t: se for t in windows})
+    monkeypatch.setattr(train_masks, "layer_startends", lambda se, windows, **kw: {t: se for t in windows})
     with pytest.raises(RuntimeError, match="sliding_attention layers' mask differs .* with the sliding window"):
         train_masks.check_layer_masks(method, model, args, 128, CPU, torch.float32)
 

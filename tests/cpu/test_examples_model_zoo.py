@@ -80,9 +80,8 @@ def test_the_run_line_names_the_kernels_for_every_family(monkeypatch):
 def test_sft_cp2_with_sliding_layers_equals_one_process(family, saved, tmp_path):
     # The sliding layers' window (tests/model_zoo.WINDOW tokens), and Llama 4's chunks
     # (tests/model_zoo.CHUNK), under context parallelism: the fm_cp backend runs them on each batch's
-    # windowed or chunked plan.
-    if family == "llama4" and not model_zoo.chunks_follow_documents(transformers):
-        pytest.skip("this transformers counts Llama 4's chunks from the packed row's first token on one process")
+    # windowed or chunked plan (the chunks counted from each document's first token on both sides:
+    # the collator's document mask gives the one-process backend the documents).
     from tests.cpu.test_examples_cp import csv_column, torchrun
 
     args = COMMON + ["--model", saved(family), "--cp-align", "8"]

@@ -24,6 +24,26 @@ pytestmark = [
 FAMILIES = ["causal_document", "causal", "share_question"]
 
 
+def check_plan(plan, q, k, v, mask, causal, **whole):
+    """The plan's attention (its shards of q, k, v) against the kernels on the whole sequence
+    (``flashmask_attention(..., mask, **whole)``: output and gradients) and against the float32
+    reference under the plan's merged mask."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    want = flashmask.flashmask_attention(*leaves, mask, causal=causal, backend=cuda_cases.BACKEND, **whole)
+    dout = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    local = [plan.shard(t).detach().requires_grad_() for t in (q, k, v)]
+    got = fmd.context_parallel_attention(*local, plan, backend=cuda_cases.BACKEND)
+    merged = plan.startend_row_indices
+    ref = reference_attention(q.float(), k.float(), v.float(), merged, causal=causal)[0]
+    low = low_precision_attention(q, k, v, merged, causal)[0]
+    assert max_err(got, plan.shard(ref)) <= error_bound(low, ref), "out against the reference"
+    torch.testing.assert_close(got, plan.shard(want.detach()), atol=2e-2, rtol=2e-2)
+    for name, g, w in zip("qkv", torch.autograd.grad(got, local, plan.shard(dout)), want_grads):
+        torch.testing.assert_close(g.float(), plan.shard(w).float(), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m: f"d{name}: {m}")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", fmd.MODES)
 def test_windowed_plan(mode, family):
@@ -33,29 +53,16 @@ def test_windowed_plan(mode, family):
     mask = None if family == "causal" else mask
     q, k, v = make_qkv(2, s, s, 6, 2, main_head_dim(), dtype)
     cuda_cases.skip_unless_backend_serves(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    want = flashmask.flashmask_attention(*leaves, mask, causal=causal, window_size=window, backend=cuda_cases.BACKEND)
-    dout = torch.randn_like(want)
-    want_grads = torch.autograd.grad(want, leaves, dout)
     plan = fmd.make_plan(mask, causal, s, mode=mode, align=8).windowed(window, batch_size=2)
-    local = [plan.shard(t).detach().requires_grad_() for t in (q, k, v)]
-    got = fmd.context_parallel_attention(*local, plan, backend=cuda_cases.BACKEND)
-    # the window merged into the mask, for the oracles
-    wmask = merge_window(mask, causal, window, s) if mask is not None else plan.startend_row_indices
-    ref = reference_attention(q.float(), k.float(), v.float(), wmask, causal=causal)[0]
-    low = low_precision_attention(q, k, v, wmask, causal)[0]
-    assert max_err(got, plan.shard(ref)) <= error_bound(low, ref), "out against the reference"
-    torch.testing.assert_close(got, plan.shard(want.detach()), atol=2e-2, rtol=2e-2)
-    for name, g, w in zip("qkv", torch.autograd.grad(got, local, plan.shard(dout)), want_grads):
-        torch.testing.assert_close(g.float(), plan.shard(w).float(), atol=5e-2, rtol=5e-2,
-                                   msg=lambda m: f"d{name}: {m}")
+    if mask is not None:
+        assert torch.equal(plan.startend_row_indices, merge_window(mask, causal, window, s))
+    check_plan(plan, q, k, v, mask, causal, window_size=window)
 
 
 @pytest.mark.parametrize("mode", fmd.MODES)
 def test_chunked_plan(mode):
     """Packed documents (restarting position ids) under 96-token chunks counted from each document's start."""
     s, chunk = 1024, 96
-    g = torch.Generator().manual_seed(7)
     pos = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in
                        ([300, 500, 224], [1024])]).cuda()
     batch = {"input_ids": torch.zeros(2, s, dtype=torch.long, device="cuda"), "position_ids": pos}
@@ -65,16 +72,4 @@ def test_chunked_plan(mode):
     assert torch.equal(plan.startend_row_indices, mask)
     q, k, v = make_qkv(2, s, s, 6, 2, main_head_dim(), torch.bfloat16)
     cuda_cases.skip_unless_backend_serves(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    want = flashmask.flashmask_attention(*leaves, mask, causal=True, backend=cuda_cases.BACKEND)
-    dout = torch.randn(want.shape, generator=g).to(want)
-    want_grads = torch.autograd.grad(want, leaves, dout)
-    local = [plan.shard(t).detach().requires_grad_() for t in (q, k, v)]
-    got = fmd.context_parallel_attention(*local, plan, backend=cuda_cases.BACKEND)
-    ref = reference_attention(q.float(), k.float(), v.float(), mask, causal=True)[0]
-    low = low_precision_attention(q, k, v, mask, True)[0]
-    assert max_err(got, plan.shard(ref)) <= error_bound(low, ref), "out against the reference"
-    torch.testing.assert_close(got, plan.shard(want.detach()), atol=2e-2, rtol=2e-2)
-    for name, gr, w in zip("qkv", torch.autograd.grad(got, local, plan.shard(dout)), want_grads):
-        torch.testing.assert_close(gr.float(), plan.shard(w).float(), atol=5e-2, rtol=5e-2,
-                                   msg=lambda m: f"d{name}: {m}")
+    check_plan(plan, q, k, v, mask, True)

@@ -41,14 +41,14 @@ import torch.multiprocessing as mp
 from flashmask import _cuda, flashmask_attention
 from flashmask import distributed as fmd
 from flashmask.reference import reference_attention
-from masks import merge_window, window_to_startend
+from masks import merge_chunks, merge_window, window_to_startend
 from masks.examples import example
 from tests.attn_helpers import error_bound, low_precision_attention, max_err, random_startend
 
 
 def cases(tiny: bool):
     """(name, spec): every mode x mask family, GQA, mask heads 1/Hk/Hq, bf16 and fp16, head dims
-    (192, 128), soft-capping, sinks and a sliding window."""
+    (192, 128), soft-capping, sinks, a sliding window and Llama 4's chunks."""
     s = 256 if tiny else 4096
     d = 16 if tiny else 128
     out = []
@@ -80,6 +80,9 @@ def cases(tiny: bool):
         out.append((f"{mode}-window-sinks-causal_document", dict(mode=mode, family="causal_document", hq=8, hk=2,
                                                                  hm=1, b=1, s=s, d=d, dtype="bfloat16",
                                                                  window=(s // 8 - 1, 0), sinks=True)))
+        # Llama 4's chunked attention: the plan made for the mask and chunked (chunks from the row's start)
+        out.append((f"{mode}-chunk-causal_document", dict(mode=mode, family="causal_document", hq=8, hk=2, hm=1, b=1,
+                                                          s=s, d=d, dtype="bfloat16", chunk=s // 8 + s // 16 + 8)))
         out.append((f"{mode}-softcap-sinks-fp16-share_question", dict(mode=mode, family="share_question", hq=8, hk=2,
                                                                       hm=1, b=1, s=s, d=d, dtype="float16",
                                                                       softcap=50.0, sinks=True)))
@@ -130,11 +133,13 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
     softcap = spec.get("softcap", 0.0)
     # a sliding window: the context-parallel plan is made for the mask and windowed; the oracles
     # take the window merged into the mask
-    window = spec.get("window")
+    window, chunk = spec.get("window"), spec.get("chunk")
     plan_mask = mask
     if window is not None:
         mask = (merge_window(mask, causal, window, s) if mask is not None
                 else window_to_startend(window, s, s, causal, batch_size=b, device=device))
+    if chunk is not None:
+        mask = merge_chunks(mask, chunk, s)
     leaves = (q, k, v) + (() if sinks is None else (sinks,))
     names = ("out", "dq", "dk", "dv", "dsinks")[:len(leaves) + 1]
     # one GPU: the kernels on the whole sequence
@@ -147,6 +152,8 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
                          num_chunks=world * spec["chunks_per_rank"] if "chunks_per_rank" in spec else None)
     if window is not None:
         plan = plan.windowed(window, batch_size=b)
+    if chunk is not None:
+        plan = plan.chunked(chunk, batch_size=b)
     loc = [plan.shard(t) for t in leaves[:3]] + list(leaves[3:])
     cp, cp_g = _grads(lambda a, b_, c_, *sk: fmd.context_parallel_attention(a, b_, c_, plan, softcap=softcap,
                                                                            sinks=sk[0] if sk else None,
@@ -276,7 +283,7 @@ def test_cpu_dry_run_of_the_gpu_script():
     """The same cases with gloo and the reference path at tiny sizes (keeps the GPU script runnable)."""
     out = spawn(2, "cpu", tiny=True, only=["allgather_kv-causal_document", "ulysses-share_question",
                                            "random-causal0-C4-hm_hq", "mqa", "8chunks", "allgather_kv-mla",
-                                           "ulysses-softcap-sinks", "allgather_kv-sinks", "window"])
+                                           "ulysses-softcap-sinks", "allgather_kv-sinks", "window", "chunk"])
     assert len(out) >= 11
     fails = _failures(out)
     assert not fails, "\n".join(f"{n}:\n{e}" for n, es in fails.items() for e in es)

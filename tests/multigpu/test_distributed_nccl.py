@@ -209,10 +209,11 @@ def worker(rank, world, init, outdir, device_type, tiny, only=None):
     else:
         device, backend, kernel_backend = torch.device("cpu"), "gloo", "reference"
         torch.set_num_threads(1)
+    kw = {"device_id": device} if device_type == "cuda" else {}  # binds NCCL's barriers to this rank's GPU
     if init is None:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **kw)
     else:
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, **kw)
     results = {}
     t0 = time.perf_counter()
     try:

@@ -106,7 +106,7 @@ def merge_window(startend_row_indices: Optional[torch.Tensor], causal: bool, win
     if seqlen_k is not None and seqlen_k != t.shape[2]:
         raise ValueError(f"seqlen_k={seqlen_k} but startend_row_indices has Sk={t.shape[2]}")
     w = window_to_startend(window_size, seqlen_q, t.shape[2], causal, device=t.device)[0, 0]  # [Sk, C']
-    return _merge_bounds(t, causal, w[:, 0], None if causal else w[:, 1], seqlen_q,
+    return _merge_bounds(t, causal, w[:, 0], None if causal else w[:, 1], int(seqlen_q),
                          lambda b, j: f"the window's {w[j].tolist()}")
 
 

@@ -458,9 +458,7 @@ def _split_segments(segments: torch.Tensor, bsz: int, sk: int, device) -> Tuple[
     if segments.shape[-1] != sk or segments.shape[0] not in (1, bsz):
         raise ValueError(f"2-D attention_mask has shape {tuple(segments.shape)}, expected [{bsz}, {sk}]")
     segments = segments.to(device).expand(bsz, sk)
-    starts = torch.ones(bsz, sk, dtype=torch.bool, device=device)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return starts, segments != 0
+    return _changes(segments), segments != 0
 
 
 def _chunk_size(module) -> Optional[int]:
@@ -551,21 +549,22 @@ def _check_document_mask(startend: torch.Tensor, causal: bool, chunk: int) -> No
     lts = startend[..., 0]  # [B, Hm, S]
     if not torch.equal(lts, lts[:, :1].expand_as(lts)):
         raise _unsupported(f"{what} (its mask heads differ)")
-    if not torch.equal(from_starts(_document_starts_of(lts[:, 0]), True)[:, 0, :, 0], lts[:, 0]):
+    if not torch.equal(from_starts(_changes(lts[:, 0]), True)[:, 0, :, 0], lts[:, 0]):
         raise _unsupported(what)
 
 
-def _document_starts_of(lts: torch.Tensor) -> torch.Tensor:
-    """bool ``[B, S]``: where a causal document mask's column ``[B, S]`` starts a document."""
-    starts = torch.ones_like(lts, dtype=torch.bool)
-    starts[:, 1:] = lts[:, 1:] != lts[:, :-1]
+def _changes(x: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, S]``: where ``x`` ``[B, S]`` differs from the token before (the first token included):
+    the segment starts of segment ids, the document starts of a causal document mask's column."""
+    starts = torch.ones_like(x, dtype=torch.bool)
+    starts[:, 1:] = x[:, 1:] != x[:, :-1]
     return starts
 
 
 def _document_positions(lts: torch.Tensor) -> torch.Tensor:
     """``[B, S]``: each token's position in its document, of a causal document mask's column."""
     t = torch.arange(lts.shape[-1], device=lts.device).expand_as(lts)
-    return t - torch.where(_document_starts_of(lts), t, 0).cummax(-1).values
+    return t - torch.where(_changes(lts), t, 0).cummax(-1).values
 
 
 def _check_user_mask_once(user_tensor: torch.Tensor, startend: torch.Tensor, causal: bool, sq: int) -> None:

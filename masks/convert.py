@@ -141,7 +141,8 @@ def merge_chunks(startend_row_indices: Optional[torch.Tensor], chunk_size: int, 
     if t.shape[0] != end.shape[0]:
         if min(t.shape[0], end.shape[0]) != 1:
             raise ValueError(f"startend_row_indices has batch {t.shape[0]} but position_ids {end.shape[0]}")
-        t, end = t.expand(max(t.shape[0], end.shape[0]), -1, -1, -1), end.expand(t.shape[0], -1, -1)
+        b = max(t.shape[0], end.shape[0])
+        t, end = t.expand(b, -1, -1, -1), end.expand(b, -1, -1)
     return _merge_bounds(t, True, end, None, seqlen, lambda b, j: f"the chunk's end row {int(end[b, 0, j])}")
 
 

@@ -305,6 +305,12 @@ def test_chunked_plans_and_the_cp_backend_equal_the_chunks_on_one_process(with_m
         torch.testing.assert_close(got, plan.shard(want), rtol=1e-12, atol=1e-12)
 
 
+def test_chunked_plan_needs_a_causal_plan():
+    plan = fmd.make_plan(masks.document(16, [8, 8]), False, 16, mode="ulysses")
+    with pytest.raises(ValueError, match="chunked attention needs a causal plan"):
+        plan.chunked(4)
+
+
 def test_cp_backend_raises_where_chunks_meet_a_position_jump():
     """A DPO row (the rejected answer's positions continue from the prompt): a chunk counted in
     positions is not one run of rows there, so a chunked layer raises rather than mask it wrongly."""

@@ -325,3 +325,28 @@ def test_bad_logit_softcap_raises(bad):
         linear_cross_entropy(h, w, y, logit_softcap=bad)
     with pytest.raises(ValueError, match="logit_softcap must be None or a finite float >= 0"):
         linear_token_logps(h, w, y, logit_softcap=bad)
+
+
+def test_decoder_of_finds_the_decoder_or_raises():
+    """get_decoder() where it gives a submodule; .model where it gives the causal LM itself (Llama 4 on
+    transformers 5.x); a clear error where neither exists."""
+    from flashmask.losses import decoder_of
+
+    inner = torch.nn.Linear(2, 2)
+
+    class WithDecoder(torch.nn.Module):
+        def get_decoder(self):
+            return inner
+
+    class ItselfAsDecoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = inner
+
+        def get_decoder(self):
+            return self
+
+    assert decoder_of(WithDecoder()) is inner
+    assert decoder_of(ItselfAsDecoder()) is inner
+    with pytest.raises(ValueError, match="cannot find the decoder of Linear"):
+        decoder_of(torch.nn.Linear(2, 2))

@@ -294,6 +294,12 @@ def test_merge_chunks_none_and_errors():
         masks.merge_chunks(None, 0, 6)
     with pytest.raises(ValueError, match="position_ids has 5 tokens"):
         masks.merge_chunks(None, 2, 6, torch.arange(5))
+    t = masks.causal_document(6, [3, 3])  # int32 [1, 1, 6, 1]
+    with pytest.raises(ValueError, match="Sk=6, expected seqlen=8"):
+        masks.merge_chunks(t, 2, 8)
+    with pytest.raises(ValueError, match="batch 2 but position_ids 3"):
+        masks.merge_chunks(t.expand(2, -1, -1, -1), 2, 6, torch.arange(6).expand(3, -1))
+    assert masks.merge_chunks(t, 2, 6, torch.arange(6).expand(2, -1)).shape == (2, 1, 6, 1)  # a mask of batch 1
 
 
 # ---------------------------------------------------------------- packed sequences

@@ -49,7 +49,8 @@ that do not pass ``position_ids`` on to their attention (Llama 4), and Llama 4's
 chunks are those transformers' mask draws: on a packed row, newer transformers count them from each
 document's first token, older 5.x ones (5.17) from the row's first token. On a chunked layer an
 explicit ``attn_mask_startend_row_indices`` must be a causal document mask; the chunks are then
-counted from each of its documents' first token (:func:`masks.merge_chunks`), whatever the version.
+counted from each of its documents' first token (:func:`masks.merge_chunks`), whatever the version,
+as they are under context parallelism (``fm_cp``, from the batch's position ids).
 
 A 2-D padding ``attention_mask`` ``[B, S]`` (0 = padding) is honoured on top of any of these:
 padded keys are hidden from every query. No ``S x S`` mask is ever built: the mask function we

@@ -27,6 +27,7 @@ Losses: ``flashmask.losses``
 
 Checkpointing: ``flashmask.checkpointing``
     enable_activation_checkpointing, offload_checkpoint, chunk_mlp  checkpoints on the host
+    keep_attention_context   checkpointing that keeps the attention outputs (no attention recompute)
 
 Integrations: ``flashmask.integrations.transformers``
     the "fm_colmask" attention backend of Hugging Face transformers; use_flashmask(model)

@@ -23,20 +23,31 @@ backward. The MLP acts on every token alone, so the results are those of the who
 price is up to one more MLP forward per step where the layer is checkpointed too (the layer's
 recompute runs the chunks' forward, and each chunk's backward recomputes it once more).
 
+With ``keep_attention=True`` each checkpointed layer keeps its attention output (and LSE) from
+the forward: the backward's recompute of the layer then runs everything but the attention kernel,
+whose cost grows with the row's unmasked pairs while the rest grows with its tokens. The price is one
+``[B, S, Hq, Dv]`` tensor per layer, about the size of the layer input in most models (Llama:
+``Hq * Dv`` = hidden). Under the hood it is PyTorch's selective activation checkpointing with
+:func:`keep_attention_policy` (:func:`keep_attention_context` is the ``context_fn``), usable with any
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` call.
+
 Example (a transformers model)::
 
     enable_activation_checkpointing(model, offload=True)   # every decoder layer
     chunk_mlp(model, chunk_tokens=65536)                   # every layer's mlp, 64K tokens at a time
+    # or: keep the attention outputs, recompute only the rest of each layer
+    enable_activation_checkpointing(model, keep_attention=True)
 """
 from __future__ import annotations
 
 import functools
+from typing import Iterable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-__all__ = ["offload_checkpoint", "enable_activation_checkpointing", "chunk_mlp", "OFFLOAD_MIN_BYTES",
-           "MLP_CHUNK_TOKENS"]
+__all__ = ["offload_checkpoint", "enable_activation_checkpointing", "chunk_mlp", "keep_attention_policy",
+           "keep_attention_context", "ATTENTION_OPS", "OFFLOAD_MIN_BYTES", "MLP_CHUNK_TOKENS"]
 
 #: Inputs smaller than this stay on the device (the copies would cost more than they save).
 OFFLOAD_MIN_BYTES = 1 << 20
@@ -104,6 +115,33 @@ class _HostCopy:
         return None  # the gradient passes unchanged
 
 
+# --------------------------------------------------------------------------------------------
+# the attention kept, the rest recomputed
+
+#: The ops whose outputs :func:`keep_attention_policy` saves: the attention kernels' forward (the
+#: reference path, plain PyTorch ops, is recomputed as before).
+ATTENTION_OPS = (torch.ops.flashmask.fwd.default,)
+
+
+def keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpointing policy: save the outputs of :data:`ATTENTION_OPS`, recompute every other op."""
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_attention_context(extra_ops: Iterable = ()):
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that keeps
+    the attention outputs (:func:`keep_attention_policy`) and those of ``extra_ops`` (``OpOverload``s or
+    higher-order ops, e.g. ``torch.ops.higher_order.flex_attention``)::
+
+        checkpoint(layer, x, use_reentrant=False, context_fn=keep_attention_context)
+        model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": keep_attention_context})
+    """
+    extra = tuple(extra_ops)
+    if not extra:
+        return create_selective_checkpoint_contexts(keep_attention_policy)
+    return create_selective_checkpoint_contexts(list(ATTENTION_OPS + extra))
+
+
 def offload_checkpoint(fn, *args, min_bytes: int = OFFLOAD_MIN_BYTES, **kwargs):
     """``checkpoint(fn, *args, use_reentrant=False, **kwargs)``, with ``args[0]`` kept in host memory
     between the forward and the backward (see the module docstring).
@@ -125,7 +163,7 @@ def offload_checkpoint(fn, *args, min_bytes: int = OFFLOAD_MIN_BYTES, **kwargs):
 
 def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layers=None,
                                     min_bytes: int = OFFLOAD_MIN_BYTES,
-                                    auto_fraction: float = 0.25) -> torch.nn.Module:
+                                    auto_fraction: float = 0.25, keep_attention: bool = False) -> torch.nn.Module:
     """Checkpoint every layer of ``model`` (non-reentrant), optionally offloading the checkpoints.
 
     A transformers model is switched with its own ``activation_checkpointing_enable`` /
@@ -137,9 +175,15 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
     ``offload="auto"``: offload only where it pays, i.e. a layer input is moved to the host when
     the inputs of all layers together would take more than ``auto_fraction`` of the GPU's memory
     (``min_bytes`` = that share / number of layers); shorter rows stay on the GPU and pay no copies.
+
+    ``keep_attention``: each layer keeps its attention output for the backward instead of running
+    the attention kernel again in its recompute (:func:`keep_attention_context`; the output stays on
+    the GPU also with ``offload``).
     """
     if offload not in (True, False, "auto"):
         raise ValueError(f"offload must be True, False or 'auto', got {offload!r}")
+    if not isinstance(keep_attention, bool):
+        raise ValueError(f"keep_attention must be True or False, got {keep_attention!r}")
 
     def auto_min_bytes(n_layers: int) -> int:
         p = next(model.parameters(), None)
@@ -148,7 +192,8 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
         total = torch.cuda.get_device_properties(p.device).total_memory
         return max(min_bytes, int(auto_fraction * total / max(1, n_layers)))
 
-    kw = {"use_reentrant": False}
+    context_fn = keep_attention_context if keep_attention else noop_context_fn
+    kw = {"use_reentrant": False, "context_fn": context_fn}
     if layers is None:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
@@ -165,7 +210,7 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
                        and hasattr(m, "_gradient_checkpointing_func") and (_Layer is None or isinstance(m, _Layer))]
             if not targets:
                 raise ValueError(f"{type(model).__name__} has no checkpointed layers to offload")
-            func = functools.partial(offload_checkpoint, min_bytes=auto_min_bytes(len(targets)))
+            func = functools.partial(offload_checkpoint, min_bytes=auto_min_bytes(len(targets)), context_fn=context_fn)
             for m in targets:
                 m._gradient_checkpointing_func = func
         return model
@@ -178,8 +223,8 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
             if not (torch.is_grad_enabled() and _layer.training):
                 return _inner(*a, **k)
             if offload:
-                return offload_checkpoint(_inner, *a, min_bytes=threshold, **k)
-            return checkpoint(_inner, *a, use_reentrant=False, **k)
+                return offload_checkpoint(_inner, *a, min_bytes=threshold, context_fn=context_fn, **k)
+            return checkpoint(_inner, *a, use_reentrant=False, context_fn=context_fn, **k)
 
         layer.forward = forward
     return model

@@ -59,6 +59,23 @@ def registered():
         yield
 
 
+@contextlib.contextmanager
+def in_place_of_the_kernels():
+    """flashmask_attention and the context-parallel attention run the stand-ins where they would run
+    the kernels: through the ops (under a dispatch mode) and the eager path. Yields :data:`CALLS`,
+    emptied first; everything is put back on exit."""
+    import flashmask.attention
+
+    saved = flashmask.attention.kernel_arch, _cuda._C
+    flashmask.attention.kernel_arch, _cuda._C = (lambda *a, **k: 0), CpuExtension()
+    CALLS.clear()
+    try:
+        with registered():
+            yield CALLS
+    finally:
+        flashmask.attention.kernel_arch, _cuda._C = saved
+
+
 class CpuExtension:
     """_C's fwd and bwd by the stand-ins, for the eager path (_EagerAttention)."""
 

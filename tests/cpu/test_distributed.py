@@ -691,7 +691,18 @@ def test_four_processes(world4, name):
 # transformers + FSDP2 on a (dp=1, cp=2) DeviceMesh, gloo: loss and gradients equal one process's
 
 
-def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
+def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama", keep=False):
+    """keep: the kernels' CPU stand-ins run the attention (tests/cpu_kernels.py), each layer
+    checkpointed keeping its attention outputs; no attention forward may then run in the backward."""
+    if keep:
+        from tests import cpu_kernels
+
+        with cpu_kernels.in_place_of_the_kernels() as calls:
+            return _hf_case_body(mode, rank, ckpt, fsdp, mlp_chunk, kind, calls)
+    return _hf_case_body(mode, rank, ckpt, fsdp, mlp_chunk, kind, None)
+
+
+def _hf_case_body(mode, rank, ckpt, fsdp, mlp_chunk, kind, kernel_calls):
     import transformers
 
     import flashmask.distributed.hf as cp_hf
@@ -764,6 +775,8 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     cp_hf.use_context_parallel(model)
     if ckpt:
         enable_activation_checkpointing(model, offload=True, min_bytes=0)
+    if kernel_calls is not None:
+        enable_activation_checkpointing(model, keep_attention=True)
     rows = []  # tokens per call of the MLPs (the local shard, in chunks)
     if mlp_chunk:
         chunk_mlp(model, mlp_chunk)
@@ -777,7 +790,11 @@ def _hf_case(mode, rank, ckpt=False, fsdp=True, mlp_chunk=0, kind="llama"):
     assert local["input_ids"].shape[1] == plan.seqlen // 2
     with cp_hf.context_parallel(plan):
         loss = fm_fsdp.lm_loss(model, local, chunk_size=7)
+        forward_calls = None if kernel_calls is None else kernel_calls.count("fwd")
         loss.backward()
+    if kernel_calls is not None:
+        assert forward_calls > 0 and kernel_calls.count("fwd") == forward_calls, kernel_calls
+        assert kernel_calls.count("bwd") > 0
     if not fsdp:  # a replicated model: the ranks' partial gradients are summed by hand
         fm_fsdp.sum_gradients(model, fm_fsdp.cp_group(mesh))
     total = fm_fsdp.reduce_loss(loss, mesh)
@@ -873,7 +890,8 @@ _HF_NAMES = ["hf-fsdp2-allgather_kv", "hf-fsdp2-ulysses", "hf-fsdp2-allgather_kv
              "hf-fsdp2-dpo-allgather_kv", "hf-fsdp2-dpo-ulysses", "hf-replicated-allgather_kv",
              "hf-fsdp2-ulysses-chunked-mlp", "hf-fsdp2-allgather_kv-offloaded-checkpoints-chunked-mlp",
              "hf-fsdp2-deepseek_v3-allgather_kv", "hf-fsdp2-deepseek_v3-ulysses", "hf-fsdp2-gemma2-allgather_kv",
-             "hf-fsdp2-gemma2-ulysses", "hf-fsdp2-gpt_oss-allgather_kv", "hf-fsdp2-gpt_oss-ulysses"]
+             "hf-fsdp2-gemma2-ulysses", "hf-fsdp2-gpt_oss-allgather_kv", "hf-fsdp2-gpt_oss-ulysses",
+             "hf-fsdp2-allgather_kv-kept-attention", "hf-fsdp2-ulysses-kept-attention"]
 
 
 def _hf_worker(rank, world, init_file, outdir, names):
@@ -884,7 +902,8 @@ def _hf_worker(rank, world, init_file, outdir, names):
         else:
             _hf_case(mode, rank, ckpt="checkpoints" in name, fsdp="fsdp2" in name,
                      mlp_chunk=7 if "chunked-mlp" in name else 0,
-                     kind=next((k for k in ("deepseek_v3", "gemma2", "gpt_oss") if k in name), "llama"))
+                     kind=next((k for k in ("deepseek_v3", "gemma2", "gpt_oss") if k in name), "llama"),
+                     keep="kept-attention" in name)
 
     _run_cases(rank, world, init_file, outdir, names, run_one)
 

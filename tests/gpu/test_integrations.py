@@ -118,3 +118,34 @@ def test_dpo_bf16_logps_equal_separate_sequences(kind):
 def test_packed_sft_bf16_gradients_match_separate_documents(kind):
     m16, m32 = models(kind, seed=3)
     check_packed_sft_gradients(m16, m32, docs_for(4, 6, 50, 600), NAME, "sdpa", every_parameter=True)
+
+
+class _KernelLaunches:
+    """The extension with its forward launches counted (what selective checkpointing must spare)."""
+
+    def __init__(self, inner):
+        self.inner, self.fwd_calls = inner, 0
+
+    def fwd(self, *args):
+        self.fwd_calls += 1
+        return self.inner.fwd(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_checkpointed_sft_keeps_the_attention_output(keep, monkeypatch):
+    """keep_attention: the layers' recompute takes the kept attention output (one forward launch a
+    layer instead of two) and the gradients stay those of the documents alone."""
+    from flashmask.checkpointing import enable_activation_checkpointing
+
+    m16, m32 = models("llama", seed=5)
+    enable_activation_checkpointing(m16.train(), keep_attention=keep)
+    launches = _KernelLaunches(flashmask._cuda._C)
+    monkeypatch.setattr(flashmask._cuda, "_C", launches)
+    seen = []
+    check_packed_sft_gradients(m16, m32, docs_for(5, 4, 50, 600), NAME, "sdpa", every_parameter=True,
+                               after_packed=lambda: seen.append(launches.fwd_calls))
+    layers = m16.config.num_hidden_layers
+    assert seen == [layers * (1 if keep else 2)]

@@ -97,6 +97,10 @@ def add_long_context_args(p: argparse.ArgumentParser) -> None:
                    help="activation checkpointing of every layer with the checkpoints (layer inputs) in pinned "
                         "host memory; auto: only when they would take more than a quarter of the GPU; implies "
                         "--gradient-checkpointing (default: %(default)s)")
+    g.add_argument("--keep-attention", action="store_true",
+                   help="with --gradient-checkpointing or --offload: each layer keeps its attention output for the "
+                        "backward, whose recompute of the layer then skips the attention (one [S, heads x head "
+                        "dim] tensor more per layer, on the GPU)")
     g.add_argument("--mlp-chunk", type=int, default=None, metavar="T",
                    help="run every layer's MLP T tokens at a time (this process's tokens under --cp), each chunk "
                         "checkpointed, so that no [S, intermediate] temporaries exist; exact; 0: off (default: "
@@ -119,6 +123,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.mlp_chunk is None:  # chunk where the offload already made room for rows this long
         from flashmask.checkpointing import MLP_CHUNK_TOKENS
         args.mlp_chunk = MLP_CHUNK_TOKENS if args.offload != "off" else 0
+    if args.keep_attention and not (args.gradient_checkpointing or args.offload != "off"):
+        p.error("--keep-attention needs --gradient-checkpointing or --offload (it changes what their recompute skips)")
     if args.mlp_chunk < 0:
         p.error("--mlp-chunk must be >= 0 (0: off)")
     for name in ("max_length", "batch_size", "steps", "log_every"):

@@ -295,12 +295,14 @@ def load_model_and_tokenizer(args, attn_implementation: str):
 
 def prepare_model(model, args, par: Parallel, *, train: bool = True):
     """Activation checkpointing of every layer (``--gradient-checkpointing`` / ``--offload``, when
-    ``train``); the MLPs in chunks (``--mlp-chunk``; also for a frozen model, whose forward without
-    grad then holds one chunk's temporaries); with several processes the context-parallel attention
-    backend (``fm_cp``) and FSDP2. Create the optimizer after this (it must see the sharded parameters)."""
+    ``train``; ``--keep-attention`` keeps the attention outputs); the MLPs in chunks (``--mlp-chunk``;
+    also for a frozen model, whose forward without grad then holds one chunk's temporaries); with
+    several processes the context-parallel attention backend (``fm_cp``) and FSDP2. Create the
+    optimizer after this (it must see the sharded parameters)."""
     if train and (args.gradient_checkpointing or args.offload != "off"):
         from flashmask.checkpointing import enable_activation_checkpointing
-        enable_activation_checkpointing(model, offload={"off": False, "on": True, "auto": "auto"}[args.offload])
+        enable_activation_checkpointing(model, offload={"off": False, "on": True, "auto": "auto"}[args.offload],
+                                        keep_attention=args.keep_attention)
     if args.mlp_chunk:
         from flashmask.checkpointing import chunk_mlp
         chunk_mlp(model, args.mlp_chunk)

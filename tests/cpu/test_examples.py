@@ -160,6 +160,22 @@ def test_mlp_chunk_default_follows_offload_and_leaves_the_losses(monkeypatch):
         assert chunked["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
 
 
+def test_keep_attention_trains_as_plain_checkpointing():
+    """--keep-attention: the kernels' stand-ins run the attention; the losses are those of plain
+    checkpointing and no attention forward runs in the backward (one per layer and step, not two)."""
+    from tests import cpu_kernels
+
+    args = COMMON + ["--steps", "2", "--max-length", "128", "--batch-size", "1", "--progress", "off",
+                     "--gradient-checkpointing"]
+    runs = {}
+    for extra in ([], ["--keep-attention"]):
+        with cpu_kernels.in_place_of_the_kernels() as calls:
+            runs[bool(extra)] = sft_packed.main(args + extra)["losses"], calls.count("fwd"), calls.count("bwd")
+    (plain, plain_fwd, plain_bwd), (kept, kept_fwd, kept_bwd) = runs[False], runs[True]
+    assert kept == pytest.approx(plain, rel=1e-6) and plain_bwd == kept_bwd > 0
+    assert plain_fwd == 2 * kept_fwd
+
+
 def test_bad_arguments_exit_with_a_message(capsys):
     with pytest.raises(SystemExit):
         sft_packed.main(["--steps", "0"])
@@ -175,6 +191,9 @@ def test_bad_arguments_exit_with_a_message(capsys):
     with pytest.raises(SystemExit):
         sft_packed.main(["--mlp-chunk", "-1"])
     assert "--mlp-chunk must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sft_packed.main(["--keep-attention"])
+    assert "--keep-attention needs --gradient-checkpointing" in capsys.readouterr().err
 
 
 def test_malformed_data_file_ends_the_run_with_one_line(tmp_path):

@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="parameter and compute dtype")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="with --gradient-checkpointing: flashmask's layers keep their attention output and the "
+                        "recompute skips the attention (flashmask.checkpointing.keep_attention_context); the other "
+                        "methods recompute it (the same policy leaves transformers' compiled flex_attention alone)")
     p.add_argument("--doc-len", default="128,4096",
                    help="MIN,MAX document length (uniform); the last document of a row is cut to fill it")
     p.add_argument("--loss", default="chunked", choices=["chunked", "full"],
@@ -228,6 +232,8 @@ def parse_args(argv=None):
     if args.sliding_window is not None and (args.arch not in WINDOW_ARCHS or args.sliding_window < 1):
         parser.error(f"--sliding-window takes a value >= 1 with --arch {', '.join(WINDOW_ARCHS)}, got "
                      f"{args.sliding_window} with --arch {args.arch}")
+    if args.keep_attention and not args.gradient_checkpointing:
+        parser.error("--keep-attention needs --gradient-checkpointing (it changes what the recompute skips)")
     if args.flex_no_compile:
         args.flex_block_mask = "eager"  # transformers compiles flex_attention itself in any case
     if args.out is None:
@@ -252,6 +258,9 @@ def build_model(args, method: str, seqlen: int, device: torch.device, dtype: tor
     model.config.use_cache = False
     if args.gradient_checkpointing:
         kw = {"use_reentrant": False}
+        if args.keep_attention and method == "flashmask":
+            from flashmask.checkpointing import keep_attention_context
+            kw["context_fn"] = keep_attention_context
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
         else:
@@ -280,6 +289,8 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
         if windows is not None and kind in windows:
             notes.append(f"{what} {int(windows[kind])} on {cfg.layer_types.count(kind)}/{len(cfg.layer_types)} layers")
     notes += option_notes(method, model)
+    if args.keep_attention:
+        notes.append("attention kept" if method == "flashmask" else "attention recomputed")
     if method == "flashmask":
         import flashmask
         from flashmask import _checks
@@ -588,7 +599,8 @@ def run(args) -> list:
           f"flashmask kernels {env.get('flashmask_kernels')} | {model_name(args)} {args.dtype} "
           f"vocab {args.vocab_size} | batch {args.batch} | docs {args.doc_len[0]}-{args.doc_len[1]} tokens | "
           f"{args.warmup_steps} warmup + {args.steps} timed steps | loss {args.loss}"
-          + (" | gradient checkpointing" if args.gradient_checkpointing else ""), flush=True)
+          + (" | gradient checkpointing" if args.gradient_checkpointing else "")
+          + (" keeping the attention outputs" if args.keep_attention else ""), flush=True)
 
     rows: list = []
     fatal = None

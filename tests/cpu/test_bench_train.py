@@ -77,9 +77,20 @@ def test_cli_help(capsys):
 
 def test_cli_rejects_bad_values():
     for bad in (["--methods", "eager"], ["--doc-len", "100,10"], ["--steps", "0"], ["--doc-len", "5"],
-                ["--vocab-size", "100"]):
+                ["--vocab-size", "100"], ["--keep-attention"]):
         with pytest.raises(SystemExit):
             bench_train.parse_args(bad)
+
+
+def test_keep_attention_on_cpu(tmp_path, capsys):
+    """--keep-attention: the losses of plain checkpointing (the steps' updates included), noted on each row."""
+    args = _args(tmp_path, "--gradient-checkpointing", "--keep-attention", "--methods", "flashmask,sdpa_dense")
+    rows = bench_train.run(args)
+    plain = bench_train.run(_args(tmp_path, "--gradient-checkpointing", "--methods", "flashmask"))
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert "attention kept" in rows[0]["notes"] and "attention recomputed" in rows[1]["notes"]
+    assert rows[0]["losses"] == pytest.approx(plain[0]["losses"], rel=1e-5)
+    assert "keeping the attention outputs" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -130,8 +130,8 @@ def keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def keep_attention_context(extra_ops: Iterable = ()):
     """``context_fn`` of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` that keeps
-    the attention outputs (:func:`keep_attention_policy`) and those of ``extra_ops`` (``OpOverload``s or
-    higher-order ops, e.g. ``torch.ops.higher_order.flex_attention``)::
+    the attention outputs (:func:`keep_attention_policy`) and those of ``extra_ops`` (``OpOverload``s,
+    e.g. ``torch.ops.aten._scaled_dot_product_efficient_attention.default`` for other layers)::
 
         checkpoint(layer, x, use_reentrant=False, context_fn=keep_attention_context)
         model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": keep_attention_context})

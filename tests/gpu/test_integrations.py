@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import flashmask  # noqa: E402
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask.data import PackedSFTCollator, ShareQuestionCollator, model_inputs, pack_sequences, shared_sequence_logps  # noqa: E402
+from tests.attn_helpers import KernelLaunches  # noqa: E402
 from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, docs_for  # noqa: E402
 from tests.model_zoo import set_impl  # noqa: E402
 
@@ -120,20 +121,6 @@ def test_packed_sft_bf16_gradients_match_separate_documents(kind):
     check_packed_sft_gradients(m16, m32, docs_for(4, 6, 50, 600), NAME, "sdpa", every_parameter=True)
 
 
-class _KernelLaunches:
-    """The extension with its forward launches counted (what selective checkpointing must spare)."""
-
-    def __init__(self, inner):
-        self.inner, self.fwd_calls = inner, 0
-
-    def fwd(self, *args):
-        self.fwd_calls += 1
-        return self.inner.fwd(*args)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 @pytest.mark.parametrize("keep", [False, True])
 def test_checkpointed_sft_keeps_the_attention_output(keep, monkeypatch):
     """keep_attention: the layers' recompute takes the kept attention output (one forward launch a
@@ -142,7 +129,7 @@ def test_checkpointed_sft_keeps_the_attention_output(keep, monkeypatch):
 
     m16, m32 = models("llama", seed=5)
     enable_activation_checkpointing(m16.train(), keep_attention=keep)
-    launches = _KernelLaunches(flashmask._cuda._C)
+    launches = KernelLaunches(flashmask._cuda._C)
     monkeypatch.setattr(flashmask._cuda, "_C", launches)
     seen = []
     check_packed_sft_gradients(m16, m32, docs_for(5, 4, 50, 600), NAME, "sdpa", every_parameter=True,

@@ -43,12 +43,13 @@ from flashmask import distributed as fmd
 from flashmask.reference import reference_attention
 from masks import merge_chunks, merge_window, window_to_startend
 from masks.examples import example
-from tests.attn_helpers import error_bound, low_precision_attention, max_err, random_startend
+from tests.attn_helpers import KernelLaunches, error_bound, low_precision_attention, max_err, random_startend
 
 
 def cases(tiny: bool):
     """(name, spec): every mode x mask family, GQA, mask heads 1/Hk/Hq, bf16 and fp16, head dims
-    (192, 128), soft-capping, sinks, a sliding window and Llama 4's chunks."""
+    (192, 128), soft-capping, sinks, a sliding window, Llama 4's chunks, and the attention under a
+    checkpoint that keeps its output (``keep``)."""
     s = 256 if tiny else 4096
     d = 16 if tiny else 128
     out = []
@@ -83,6 +84,8 @@ def cases(tiny: bool):
         # Llama 4's chunked attention: the plan made for the mask and chunked (chunks from the row's start)
         out.append((f"{mode}-chunk-causal_document", dict(mode=mode, family="causal_document", hq=8, hk=2, hm=1, b=1,
                                                           s=s, d=d, dtype="bfloat16", chunk=s // 8 + s // 16 + 8)))
+        out.append((f"{mode}-keep-attention-causal_document", dict(mode=mode, family="causal_document", hq=8, hk=2,
+                                                                  hm=1, b=1, s=s, d=d, dtype="bfloat16", keep=True)))
         out.append((f"{mode}-softcap-sinks-fp16-share_question", dict(mode=mode, family="share_question", hq=8, hk=2,
                                                                       hm=1, b=1, s=s, d=d, dtype="float16",
                                                                       softcap=50.0, sinks=True)))
@@ -155,10 +158,15 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
     if chunk is not None:
         plan = plan.chunked(chunk, batch_size=b)
     loc = [plan.shard(t) for t in leaves[:3]] + list(leaves[3:])
-    cp, cp_g = _grads(lambda a, b_, c_, *sk: fmd.context_parallel_attention(a, b_, c_, plan, softcap=softcap,
-                                                                           sinks=sk[0] if sk else None,
-                                                                           backend=kernel_backend),
-                      loc, plan.shard(dout))
+
+    def cp_attention(a, b_, c_, *sk):
+        return fmd.context_parallel_attention(a, b_, c_, plan, softcap=softcap, sinks=sk[0] if sk else None,
+                                              backend=kernel_backend)
+
+    if spec.get("keep"):
+        cp, cp_g = _kept_under_checkpoint(cp_attention, loc, plan.shard(dout), kernel_backend)
+    else:
+        cp, cp_g = _grads(cp_attention, loc, plan.shard(dout))
     if sinks is not None:
         dist.all_reduce(cp_g[3])
 
@@ -190,6 +198,29 @@ def run_case(spec, world, rank, device, kernel_backend, seed):
         res[f"{name}_err_one_gpu"] = max_err(rows(o, name), rows(r, name))
         assert err <= bound, f"{name} error {err:.3e} > bound {bound:.3e} (one GPU: {res[f'{name}_err_one_gpu']:.3e})"
     return res
+
+
+def _kept_under_checkpoint(fn, leaves, dout, kernel_backend):
+    """``_grads`` of ``fn`` under a checkpoint that keeps the attention output; with the kernels, no
+    forward may launch in the backward (the recompute takes the kept output)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from flashmask.checkpointing import keep_attention_context
+
+    real = _cuda._C
+    launches = KernelLaunches(real) if kernel_backend != "reference" else None
+    if launches is not None:
+        _cuda._C = launches
+    try:
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        out = checkpoint(fn, *leaves, use_reentrant=False, context_fn=keep_attention_context)
+        forward = None if launches is None else launches.fwd_calls
+        g = torch.autograd.grad((out.float() * dout.float()).sum(), leaves)
+    finally:
+        _cuda._C = real
+    if launches is not None:
+        assert forward > 0 and launches.fwd_calls == forward, (forward, launches.fwd_calls)
+    return out.detach(), g
 
 
 def _unserved(spec):
@@ -284,7 +315,8 @@ def test_cpu_dry_run_of_the_gpu_script():
     """The same cases with gloo and the reference path at tiny sizes (keeps the GPU script runnable)."""
     out = spawn(2, "cpu", tiny=True, only=["allgather_kv-causal_document", "ulysses-share_question",
                                            "random-causal0-C4-hm_hq", "mqa", "8chunks", "allgather_kv-mla",
-                                           "ulysses-softcap-sinks", "allgather_kv-sinks", "window", "chunk"])
+                                           "ulysses-softcap-sinks", "allgather_kv-sinks", "window", "chunk",
+                                           "keep-attention"])
     assert len(out) >= 11
     fails = _failures(out)
     assert not fails, "\n".join(f"{n}:\n{e}" for n, es in fails.items() for e in es)

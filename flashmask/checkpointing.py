@@ -29,7 +29,7 @@ whose cost grows with the row's unmasked pairs while the rest grows with its tok
 ``[B, S, Hq, Dv]`` tensor per layer, about the size of the layer input in most models (Llama:
 ``Hq * Dv`` = hidden). Under the hood it is PyTorch's selective activation checkpointing with
 :func:`keep_attention_policy` (:func:`keep_attention_context` is the ``context_fn``), usable with any
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` call.
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` call, eager or under ``torch.compile``.
 
 Example (a transformers model)::
 
@@ -44,7 +44,7 @@ import functools
 from typing import Iterable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["offload_checkpoint", "enable_activation_checkpointing", "chunk_mlp", "keep_attention_policy",
            "keep_attention_context", "ATTENTION_OPS", "OFFLOAD_MIN_BYTES", "MLP_CHUNK_TOKENS"]
@@ -192,8 +192,9 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
         total = torch.cuda.get_device_properties(p.device).total_memory
         return max(min_bytes, int(auto_fraction * total / max(1, n_layers)))
 
-    context_fn = keep_attention_context if keep_attention else noop_context_fn
-    kw = {"use_reentrant": False, "context_fn": context_fn}
+    # context_fn only where it is needed: torch.compile traces a checkpoint given the default one only
+    extra = {"context_fn": keep_attention_context} if keep_attention else {}
+    kw = {"use_reentrant": False, **extra}
     if layers is None:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
@@ -210,7 +211,7 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
                        and hasattr(m, "_gradient_checkpointing_func") and (_Layer is None or isinstance(m, _Layer))]
             if not targets:
                 raise ValueError(f"{type(model).__name__} has no checkpointed layers to offload")
-            func = functools.partial(offload_checkpoint, min_bytes=auto_min_bytes(len(targets)), context_fn=context_fn)
+            func = functools.partial(offload_checkpoint, min_bytes=auto_min_bytes(len(targets)), **extra)
             for m in targets:
                 m._gradient_checkpointing_func = func
         return model
@@ -223,8 +224,8 @@ def enable_activation_checkpointing(model: torch.nn.Module, offload=False, layer
             if not (torch.is_grad_enabled() and _layer.training):
                 return _inner(*a, **k)
             if offload:
-                return offload_checkpoint(_inner, *a, min_bytes=threshold, context_fn=context_fn, **k)
-            return checkpoint(_inner, *a, use_reentrant=False, context_fn=context_fn, **k)
+                return offload_checkpoint(_inner, *a, min_bytes=threshold, **extra, **k)
+            return checkpoint(_inner, *a, use_reentrant=False, **extra, **k)
 
         layer.forward = forward
     return model

@@ -18,7 +18,9 @@ def cpu_fwd(q, k, v, mask, causal, scale, deterministic=False, num_splits=0, arc
     """The kernels' forward (both options) by the reference path, no autograd."""
     CALLS.append("fwd")
     with torch.no_grad():
-        return reference_attention(q, k, v, mask, causal=causal, softmax_scale=scale, softcap=softcap, sinks=sinks)
+        out, lse = reference_attention(q, k, v, mask, causal=causal, softmax_scale=scale, softcap=softcap,
+                                       sinks=sinks)
+    return out.contiguous(), lse.contiguous()  # the kernels' (and the fake implementation's) layout
 
 
 def cpu_bwd(dout, q, k, v, out, lse, dlse, mask, causal, scale, deterministic=False, arch=0, softcap=0.0, sinks=None):

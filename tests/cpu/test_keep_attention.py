@@ -149,3 +149,29 @@ def test_policy_and_extra_ops(stand_in_kernels):
 def test_bad_keep_attention_value():
     with pytest.raises(ValueError, match="keep_attention must be True or False, got 'yes'"):
         enable_activation_checkpointing(torch.nn.Linear(2, 2), layers=[], keep_attention="yes")
+
+
+@pytest.mark.parametrize("layers", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_under_torch_compile(stand_in_kernels, keep, layers):
+    """Compiled (fullgraph, the ops' fake implementations), a checkpoint follows the policy as well:
+    one ``checkpoint`` call, or two layers through ``enable_activation_checkpointing(layers=...)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(2 if layers else 1)]).double().train()
+    x = torch.randn(2, 24, 16, dtype=torch.float64, requires_grad=True)
+    want = model(x)
+    want_grad, = torch.autograd.grad(want.square().sum(), x)
+    if layers:
+        enable_activation_checkpointing(model, layers=list(model), keep_attention=keep)
+        fn = model
+    else:
+        extra = {"context_fn": keep_attention_context} if keep else {}
+        fn = lambda t: checkpoint(model, t, use_reentrant=False, **extra)  # noqa: E731
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    stand_in_kernels.clear()
+    got = compiled(x)
+    got_grad, = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-12)
+    n = len(model)
+    assert stand_in_kernels.count("fwd") == n * (1 if keep else 2) and stand_in_kernels.count("bwd") == n

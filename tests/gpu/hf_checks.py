@@ -16,6 +16,19 @@ def check_close(got, want32, base16, what):
     assert e_got.mean() <= 2 * e_base.mean() + 1e-3, (what, float(e_got.mean()), float(e_base.mean()))
 
 
+def check_packed_rows(got, docs, want32, base16, row_len=2048, what=""):
+    """The logits ``got`` [rows, row_len, V] of ``docs`` packed by ``PackedSFTCollator(row_len)``, each
+    document's span against its own logits alone (``check_close``)."""
+    from flashmask.data import pack_sequences
+
+    for r, row in enumerate(pack_sequences([len(d) for d in docs], row_len)):
+        col = 0
+        for i in row:
+            n = len(docs[i])
+            check_close(got[r, col:col + n], want32[i], base16[i], f"{what}doc {i}")
+            col += n
+
+
 def docs_for(seed, n, lo, hi):
     """n random documents of lo..hi tokens."""
     g = torch.Generator().manual_seed(seed)

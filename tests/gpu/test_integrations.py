@@ -16,15 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 import flashmask  # noqa: E402
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
-from flashmask.data import PackedSFTCollator, ShareQuestionCollator, model_inputs, pack_sequences, shared_sequence_logps  # noqa: E402
+from flashmask.data import PackedSFTCollator, ShareQuestionCollator, model_inputs, shared_sequence_logps  # noqa: E402
 from tests.attn_helpers import KernelLaunches  # noqa: E402
-from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, docs_for  # noqa: E402
+from tests.gpu.hf_checks import alone, check_packed_rows, check_packed_sft_gradients, docs_for  # noqa: E402
 from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
 VOCAB = 512
-
-
 
 
 def head_dim():
@@ -57,8 +55,6 @@ class KernelSpy:
         monkeypatch.setattr(flashmask.attention._cuda, "attention", attention)
 
 
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_packed_batch_bf16_matches_documents_alone(kind, monkeypatch):
     spy = KernelSpy(monkeypatch)
@@ -70,13 +66,7 @@ def test_packed_batch_bf16_matches_documents_alone(kind, monkeypatch):
     want = alone(m32, docs, "sdpa")
     base = alone(m16, docs, "sdpa")
     set_impl(m16, NAME)
-    rows = pack_sequences([len(d) for d in docs], 2048)
-    for r, row in enumerate(rows):
-        col = 0
-        for i in row:
-            n = len(docs[i])
-            check_close(got[r, col:col + n], want[i], base[i], f"doc {i}")
-            col += n
+    check_packed_rows(got, docs, want, base)
     if flashmask.cuda.available():
         assert spy.calls == 2  # the kernels ran, once per layer
 

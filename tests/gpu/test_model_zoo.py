@@ -22,9 +22,15 @@ transformers = pytest.importorskip("transformers")
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask import _cuda  # noqa: E402
-from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
+from flashmask.data import PackedSFTCollator, model_inputs  # noqa: E402
 from tests import model_zoo  # noqa: E402
-from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, check_padded_batch, docs_for  # noqa: E402
+from tests.gpu.hf_checks import (  # noqa: E402
+    alone,
+    check_packed_rows,
+    check_packed_sft_gradients,
+    check_padded_batch,
+    docs_for,
+)
 from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
@@ -117,12 +123,7 @@ def test_packed_row_bf16_matches_documents_alone(family, family_calls):
     check_routing(family, family_calls)
     want, base = alone(m32, docs, "eager"), alone(m16, docs, "eager")
     set_impl(m16, NAME)
-    for r, row in enumerate(pack_sequences([len(d) for d in docs], 2048)):
-        col = 0
-        for i in row:
-            n = len(docs[i])
-            check_close(got[r, col:col + n], want[i], base[i], f"{family} doc {i}")
-            col += n
+    check_packed_rows(got, docs, want, base, what=f"{family} ")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -18,8 +18,14 @@ if not hasattr(transformers, "DeepseekV3Config"):
 
 import flashmask.integrations.transformers as fm_hf  # noqa: E402
 from flashmask import _cuda  # noqa: E402
-from flashmask.data import PackedSFTCollator, model_inputs, pack_sequences  # noqa: E402
-from tests.gpu.hf_checks import alone, check_close, check_packed_sft_gradients, check_padded_batch, docs_for  # noqa: E402
+from flashmask.data import PackedSFTCollator, model_inputs  # noqa: E402
+from tests.gpu.hf_checks import (  # noqa: E402
+    alone,
+    check_packed_rows,
+    check_packed_sft_gradients,
+    check_padded_batch,
+    docs_for,
+)
 from tests.model_zoo import set_impl  # noqa: E402
 
 NAME = fm_hf.ATTN_IMPLEMENTATION
@@ -46,8 +52,6 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-
-
 def models(seed=0):
     """(bf16 model on the flashmask backend, float32 copy of the same bf16-rounded weights on eager).
     Dense MLPs only: a mixture of experts would route a token differently on a bf16 rounding step
@@ -63,8 +67,6 @@ def models(seed=0):
     return m16.eval(), m32.eval()
 
 
-
-
 @pytest.mark.parametrize("source", ["position_ids", "mask"])
 def test_packed_batch_bf16_matches_documents_alone(source, kernel_calls):
     m16, m32 = models()
@@ -78,13 +80,7 @@ def test_packed_batch_bf16_matches_documents_alone(source, kernel_calls):
     assert kernel_calls == [V_DIM] * 2  # the kernels ran, once per layer, on the unpadded value
     want, base = alone(m32, docs, "eager"), alone(m16, docs, "eager")
     set_impl(m16, NAME)
-    rows = pack_sequences([len(d) for d in docs], 2048)
-    for r, row in enumerate(rows):
-        col = 0
-        for i in row:
-            n = len(docs[i])
-            check_close(got[r, col:col + n], want[i], base[i], f"doc {i}")
-            col += n
+    check_packed_rows(got, docs, want, base)
 
 
 def test_padded_batch_bf16_matches_eager():

@@ -289,8 +289,11 @@ def check_method(method: str, args, model, seqlen: int, device: torch.device, dt
         if windows is not None and kind in windows:
             notes.append(f"{what} {int(windows[kind])} on {cfg.layer_types.count(kind)}/{len(cfg.layer_types)} layers")
     notes += option_notes(method, model)
-    if args.keep_attention:
-        notes.append("attention kept" if method == "flashmask" else "attention recomputed")
+    if args.keep_attention:  # the policy keeps the kernels' output; the reference path's ops are recomputed
+        import flashmask
+        kept = (method == "flashmask" and args.flashmask_backend != "reference" and device.type == "cuda"
+                and flashmask.cuda.available())
+        notes.append("attention kept" if kept else "attention recomputed")
     if method == "flashmask":
         import flashmask
         from flashmask import _checks

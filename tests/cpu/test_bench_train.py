@@ -83,12 +83,13 @@ def test_cli_rejects_bad_values():
 
 
 def test_keep_attention_on_cpu(tmp_path, capsys):
-    """--keep-attention: the losses of plain checkpointing (the steps' updates included), noted on each row."""
+    """--keep-attention: the losses of plain checkpointing (the steps' updates included); each row says
+    whether its attention was kept (on the CPU nothing is: the reference path's ops are recomputed)."""
     args = _args(tmp_path, "--gradient-checkpointing", "--keep-attention", "--methods", "flashmask,sdpa_dense")
     rows = bench_train.run(args)
     plain = bench_train.run(_args(tmp_path, "--gradient-checkpointing", "--methods", "flashmask"))
     assert [r["status"] for r in rows] == ["ok", "ok"]
-    assert "attention kept" in rows[0]["notes"] and "attention recomputed" in rows[1]["notes"]
+    assert all("attention recomputed" in r["notes"] for r in rows)
     assert rows[0]["losses"] == pytest.approx(plain[0]["losses"], rel=1e-5)
     assert "keeping the attention outputs" in capsys.readouterr().out
 

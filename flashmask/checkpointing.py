@@ -136,7 +136,14 @@ def keep_attention_context(extra_ops: Iterable = ()):
         checkpoint(layer, x, use_reentrant=False, context_fn=keep_attention_context)
         model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": keep_attention_context})
     """
-    extra = tuple(extra_ops)
+    try:
+        extra = tuple(extra_ops)
+    except TypeError:
+        raise TypeError(f"extra_ops must be an iterable of ops (OpOverload), got {extra_ops!r}") from None
+    bad = [op for op in extra if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator))]
+    if bad:
+        raise ValueError(f"extra_ops must hold ops such as torch.ops.aten.mm.default (an OpOverload, not the packet "
+                         f"torch.ops.aten.mm), got {bad[0]!r} of type {type(bad[0]).__name__}")
     if not extra:
         return create_selective_checkpoint_contexts(keep_attention_policy)
     return create_selective_checkpoint_contexts(list(ATTENTION_OPS + extra))

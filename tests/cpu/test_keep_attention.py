@@ -146,6 +146,16 @@ def test_policy_and_extra_ops(stand_in_kernels):
     assert mms[0] == mms[1] + 1  # the recompute's x @ w, unless it was kept
 
 
+@pytest.mark.parametrize("bad, error, match", [
+    (5, TypeError, "extra_ops must be an iterable of ops"),
+    ([torch.ops.aten.mm], ValueError, "not the packet torch.ops.aten.mm.*OpOverloadPacket"),
+    (["mm"], ValueError, "got 'mm' of type str"),
+])
+def test_bad_extra_ops(bad, error, match):
+    with pytest.raises(error, match=match):
+        keep_attention_context(bad)
+
+
 def test_bad_keep_attention_value():
     with pytest.raises(ValueError, match="keep_attention must be True or False, got 'yes'"):
         enable_activation_checkpointing(torch.nn.Linear(2, 2), layers=[], keep_attention="yes")

@@ -144,22 +144,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     at::Tensor out = at::empty({b, sq, hq, d_v}, q.options());
     at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
     if (b == 0 || sq == 0 || hq == 0) return {out, lse};
-    Selection sel = select_kernels(d, d_v, dtype_of(q), device_cc(q), int(arch), Slot::fwd);
+    const Selection sel = select_kernels(d, d_v, dtype_of(q), device_cc(q), int(arch), Slot::fwd);
     TORCH_CHECK(num_splits >= 0 && num_splits <= 256, "flashmask: num_splits must be in [0, 256]");
-    {
-        // Split-KV runs on the SM80 kernels only (short query blocks against long keys).
-        const int ctas = b * hq * ((sq + sel.tiles.fwd_block_m - 1) / sel.tiles.fwd_block_m);
+    if (num_splits == 0) {  // split-KV for short query blocks against long keys
+        const int tiles = b * hq * ((sq + sel.tiles.fwd_block_m - 1) / sel.tiles.fwd_block_m);
         const int n_key_blocks = (k.size(1) + sel.tiles.fwd_block_n - 1) / sel.tiles.fwd_block_n;
-        const bool auto_splits = num_splits == 0;
-        if (auto_splits) num_splits = choose_num_splits(ctas, n_key_blocks);
-        if (num_splits > 1 && sel.kernels->arch != 80) {
-            if (auto_splits && arch != 0) {
-                num_splits = 1;  // a forced family without split-KV runs unsplit
-            } else {
-                TORCH_CHECK(arch == 0, "flashmask: split-KV (num_splits > 1) has no sm", num_str(arch), " kernel");
-                sel = select_kernels(d, d_v, dtype_of(q), device_cc(q), 80, Slot::fwd);
-            }
-        }
+        num_splits = choose_num_splits(tiles, n_key_blocks, sel.kernels->arch == 90 ? 1 : 2);
     }
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     AttnParams p{};

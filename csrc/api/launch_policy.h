@@ -10,14 +10,15 @@
 
 namespace flashmask {
 
-// Split-KV pays off when the (query tile, head, batch) CTAs cannot fill the GPU, typically short
-// queries against long keys: then each tile's key blocks are shared among up to 64 CTAs, keeping
-// at least 4 key blocks per split.
-inline int choose_num_splits(int ctas, int n_key_blocks) {
+// Split-KV pays off when the (query tile, head, batch) jobs cannot fill the GPU, typically short
+// queries against long keys: then each tile's key blocks are shared among up to 64 jobs, keeping
+// at least 4 key blocks per split. ctas_per_sm: the forward's resident CTAs per SM (SM80 two, the
+// persistent SM90 one).
+inline int choose_num_splits(int tiles, int n_key_blocks, int ctas_per_sm) {
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int resident = 2 * sms;  // the forward runs two CTAs per SM
-    if (ctas >= resident || n_key_blocks < 8) return 1;
-    const int want = (resident + ctas - 1) / ctas;
+    const int resident = ctas_per_sm * sms;
+    if (tiles >= resident || n_key_blocks < 8) return 1;
+    const int want = (resident + tiles - 1) / tiles;
     return std::max(1, std::min({want, n_key_blocks / 4, 64}));
 }
 

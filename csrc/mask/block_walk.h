@@ -73,6 +73,14 @@ struct KeyBlockWalk {
     int r0, r1, sk, causal_offset;
     int n_floor = 0;  // the walk stops below this block: the lowest the tile sees (tile_floor), or a split's start
 
+    // Split-KV: narrows the walk to share `split` of `num_splits` equal shares of the blocks
+    // [n_floor, n_end) the tile may see, and returns the share's end.
+    __device__ int take_split(int n_end, int split, int num_splits) {
+        const int per_split = max(0, (n_end - n_floor + num_splits - 1) / num_splits);
+        n_floor += split * per_split;
+        return min(n_end, n_floor + per_split);
+    }
+
     __device__ BlockBounds bounds_of(int n) const {
         return Has_mask && n >= n_floor ? load_bounds(bounds + n * kNumBounds) : BlockBounds{};
     }

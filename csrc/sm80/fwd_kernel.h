@@ -56,11 +56,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     int n_end = walk.end();
     if (Has_mask) walk.n_floor = tile_floor(p, b, h, m_block, m_tiles);
-    if (split) {  // this CTA's share of the key blocks the tile may see
-        const int per_split = max(0, (n_end - walk.n_floor + p.num_splits - 1) / p.num_splits);
-        walk.n_floor += split_idx * per_split;
-        n_end = min(n_end, walk.n_floor + per_split);
-    }
+    if (split) n_end = walk.take_split(n_end, split_idx, p.num_splits);  // this CTA's share of the key blocks
     BlockBounds bnd = walk.bounds_of(n_end - 1);
     int n_block = walk.visible_at_or_below(n_end - 1, bnd);
     if (n_block < 0) {  // no key (of this split) is visible to any row of this tile

@@ -1,12 +1,13 @@
 // Hopper forward with FlashMask tile skipping: TMA loads, wgmma, warp specialisation.
 //
 // Persistent: one CTA per SM takes (query tile, head, batch) jobs from tile_scheduler.h, heaviest
-// first. Warpgroup 0 is the producer (fwd_producer.h): it gives up its registers (setmaxnreg) and
-// one of its warps loads each job's Q and its visible key blocks' K and V by TMA into
-// mbarrier-guarded pipelines, with a ticket per block saying what its tile needs. Two consumer
-// warpgroups of 64 rows each (three at head dim 64) run the mainloop (fwd_mainloop.h: S = Q K^T,
-// mask, online softmax, O += P V as wgmma) and the epilogue (fwd_epilogue.h: O by TMA store, the
-// LSE). This body sets up the shared storage and pipelines and gives each warp its role.
+// first (with split-KV, each tile's key range in num_splits jobs, merged by common/fwd_combine.cu).
+// Warpgroup 0 is the producer (fwd_producer.h): it gives up its registers (setmaxnreg) and one of
+// its warps loads each job's Q and its visible key blocks' K and V by TMA into mbarrier-guarded
+// pipelines, with a ticket per block saying what its tile needs. Two consumer warpgroups of 64 rows
+// each (three at head dim 64) run the mainloop (fwd_mainloop.h: S = Q K^T, mask, online softmax,
+// O += P V as wgmma) and the epilogue (fwd_epilogue.h: O by TMA store, the LSE). This body sets
+// up the shared storage and pipelines and gives each warp its role.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>

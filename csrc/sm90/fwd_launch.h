@@ -36,9 +36,9 @@ void run_fwd(const AttnParams& p, cudaStream_t stream) {
     using Args = FwdArgs<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
     const Args args{p, tma_q, tma_k, tma_v, tma_o};
     // One CTA per SM (the shared memory allows no more), none idle.
-    const int64_t jobs = int64_t((p.sq + Traits::kBlockM - 1) / Traits::kBlockM) * p.hq * p.b;
+    const int64_t jobs = int64_t((p.sq + Traits::kBlockM - 1) / Traits::kBlockM) * p.hq * p.b * p.num_splits;
     TORCH_CHECK(p.job_counter != nullptr, "flashmask: the SM90 forward needs a job counter");
-    TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (query tile, head, batch) jobs for one launch");
+    TORCH_CHECK(jobs < (int64_t(1) << 31), "flashmask: too many (query tile, head, batch, split) jobs for one launch");
     TORCH_CHECK(
         (int64_t(p.sk) + Traits::kBlockN - 1) / Traits::kBlockN <= GroupTicket<Traits::kConsumerWarpgroups>::kMaxBlocks,
         "flashmask: Sk = ", p.sk, " is past what the SM90 forward's block tickets index (",

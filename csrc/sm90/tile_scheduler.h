@@ -1,8 +1,9 @@
 // The SM90 forward's persistent tile scheduler: one CTA per SM, each taking (query tile, head,
-// batch) jobs until none is left. CTA x starts with job x; after that the producer warp draws the
-// next job from an atomic counter as soon as it has issued the loads of the current one, and hands
-// it, decoded, to the consumer warpgroups through shared memory. Drawing instead of striding keeps
-// the list schedule of the job order (heaviest first): a CTA that finishes early takes the next job.
+// batch) jobs, or (query tile, head, batch, split) jobs in split-KV mode, until none is left. CTA x
+// starts with job x; after that the producer warp draws the next job from an atomic counter as soon
+// as it has issued the loads of the current one, and hands it, decoded, to the consumer warpgroups
+// through shared memory. Drawing instead of striding keeps the list schedule of the job order
+// (heaviest first): a CTA that finishes early takes the next job.
 #pragma once
 #include <cutlass/arch/barrier.h>
 
@@ -25,6 +26,7 @@ __device__ __forceinline__ ListedJob ordered_job(const AttnParams& p, int x, int
 
 struct FwdJob {
     int m_block, h, b;
+    int split;  // split-KV: this job's share of the tile's key blocks (0 without splits)
 };
 
 // What the producer hands to the consumers: the next job's index and, decoded, the job and whether
@@ -43,10 +45,11 @@ __device__ __forceinline__ void store_slot(volatile FwdSlot& to, const FwdSlot& 
     to.job.m_block = s.job.m_block;
     to.job.h = s.job.h;
     to.job.b = s.job.b;
+    to.job.split = s.job.split;
     to.visible = s.visible;
 }
 __device__ __forceinline__ FwdSlot load_slot(const volatile FwdSlot& from) {
-    return {from.x, {from.job.m_block, from.job.h, from.job.b}, from.visible};
+    return {from.x, {from.job.m_block, from.job.h, from.job.b, from.job.split}, from.visible};
 }
 
 // FwdTile::decode_warp_keys (tile_config.h): the producer's decode warp draws and decodes each job one ahead
@@ -107,16 +110,22 @@ struct FwdScheduler {
     int m_tiles, num_jobs;
 
     __device__ FwdScheduler(const AttnParams& p, int block_m)
-        : m_tiles((p.sq + block_m - 1) / block_m), num_jobs(m_tiles * p.hq * p.b) {}
+        : m_tiles((p.sq + block_m - 1) / block_m), num_jobs(m_tiles * p.hq * p.b * p.num_splits) {}
 
     __device__ int first() const { return blockIdx.x; }
     __device__ bool valid(int x) const { return x < num_jobs; }
 
-    // Job x of the order (ordered_job); without a job list, causal tiles longest (last) first.
+    // Job x of the order (ordered_job); without a job list, causal tiles longest (last) first. The
+    // splits of a tile are consecutive jobs, so the heaviest tiles' splits still start first.
     template <bool Is_causal>
     __device__ FwdJob job(const AttnParams& p, int x) const {
+        int split = 0;
+        if (p.num_splits > 1) {
+            split = x % p.num_splits;
+            x /= p.num_splits;
+        }
         const ListedJob j = ordered_job(p, x, m_tiles, Is_causal);
-        return {j.tile, j.head, j.batch};
+        return {j.tile, j.head, j.batch, split};
     }
 
     // Producer warp, after issuing a job's loads: the index of its next job.

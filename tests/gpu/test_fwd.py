@@ -20,6 +20,7 @@ from tests.gpu.cases import (
     MODES,
     TILE_SHAPE_HEAD_DIMS,
     arch_of,
+    main_head_dim,
     make_qkv,
     poison_allocator,
     run_kernel,
@@ -182,8 +183,6 @@ def test_split_kv(causal, c, sq, sk, num_splits):
     # Flash-Decoding: each query tile's key blocks shared among num_splits CTAs, merged by LSE.
     q, k, v = make_qkv(2, sq, sk, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
     mask = None if c is None else random_startend(2, 2, sq, sk, causal, c, device="cuda")
-    if num_splits > 1 and cuda_cases.BACKEND != "sm80":
-        pytest.skip("split-KV runs on the SM80 kernels only")
     cuda_cases.skip_unless_backend_serves(q)
     poison_allocator(q.numel() * 64)
     out, lse = _cuda.fwd(q, k, v, mask, causal, q.shape[-1] ** -0.5, False, num_splits,
@@ -192,17 +191,31 @@ def test_split_kv(causal, c, sq, sk, num_splits):
     assert_close_to_reference(out, lse, q, k, v, mask, causal)
 
 
+@pytest.mark.parametrize("sq,splits", [(4, True), (4096, False)])
+def test_the_binding_splits_short_queries_only(sq, splits):
+    """num_splits=0, the binding's choice: 4 queries against 8192 keys split the keys (the merge kernel
+    runs after the forward of the family under test), 4096 queries fill the GPU unsplit."""
+    q, k, v = make_qkv(1, sq, 8192, 16, 4, main_head_dim(), DTYPES[-1])
+    cuda_cases.skip_unless_backend_serves(q)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = _cuda.fwd(q, k, v, None, True, q.shape[-1] ** -0.5, False, 0, arch_of(cuda_cases.BACKEND))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any(f"{cuda_cases.BACKEND}::fwd_kernel<" in n for n in names), sorted(set(names))
+    assert any("fwd_combine_kernel" in n for n in names) == splits, sorted(set(names))
+    assert_close_to_reference(out, lse, q, k, v, None, True)
+
+
 @pytest.mark.parametrize("family", ["sliding_window", "causal_document", "prefix_lm_document", "global_sliding_window"])
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_split_kv_mask_families(family, num_splits):
     # The splits share out a tile's key blocks from the lowest one it sees (the mask metadata's
     # floor) up: a window's or a document's tile splits only the blocks around it.
-    if cuda_cases.BACKEND != "sm80":
-        pytest.skip("split-KV runs on the SM80 kernels only")
     startend, causal = example(family, 1500, batch_size=2, device="cuda")
     q, k, v = make_qkv(2, 1500, 1500, 4, 2, 128 if 128 in HEAD_DIMS else HEAD_DIMS[-1], DTYPES[-1])
     cuda_cases.skip_unless_backend_serves(q)
-    out, lse = _cuda.fwd(q, k, v, startend, causal, q.shape[-1] ** -0.5, False, num_splits, arch_of("sm80"))
+    out, lse = _cuda.fwd(q, k, v, startend, causal, q.shape[-1] ** -0.5, False, num_splits,
+                         arch_of(cuda_cases.BACKEND))
     torch.cuda.synchronize()
     assert_close_to_reference(out, lse, q, k, v, startend, causal)
 

@@ -409,9 +409,7 @@ SPLITS = [(1, 2000, 7), (5, 1500, 3), (13, 640, 2), (16, 1111, 16)]
 
 
 def split_kv(q, k, v, mask, causal, softcap, sinks, num_splits):
-    """The forward op with num_splits forced, on the SM80 kernels (the family with split-KV)."""
-    if cuda_cases.BACKEND != "sm80":
-        pytest.skip("split-KV runs on the SM80 kernels only")
+    """The forward op with num_splits forced, on the family under test."""
     cuda_cases.skip_unless_backend_serves(q)
     poison_allocator(q.numel() * 64)
     result = _cuda.fwd(q, k, v, mask, causal, q.shape[-1] ** -0.5, False, num_splits, arch_of(cuda_cases.BACKEND),
@@ -457,7 +455,7 @@ def test_split_kv_rows_that_see_nothing_in_some_splits(num_splits):
 @pytest.mark.parametrize("option", OPTIONS)
 def test_split_kv_chosen_by_the_binding(option):
     """flashmask_attention with 4 queries against 2048 keys: the binding splits the keys on its own (on
-    the SM80 kernels); forward, and the backward from the merged LSE."""
+    both families); forward, and the backward from the merged LSE."""
     i = OPTIONS.index(option)
     mask = random_startend(1, 1, 4, 2048, True, 2, device="cuda")
     q, k, v, softcap, sinks = case_inputs(option, i, (1, 4, 2048, 4, 2), main_head_dim(), pick(DTYPES, i), mask, True)

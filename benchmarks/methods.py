@@ -102,14 +102,18 @@ def option_refusal(method: str, p: Problem) -> Optional[str]:
     return f"SDPA cannot express {' or '.join(missing)}: no score modification, no denominator-only logit"
 
 
-def _sm80_backward_elsewhere(p: Problem, deterministic: bool) -> str:
-    """A note for the rows where a backward forced onto the SM80 kernels runs on another family here
-    (a build for sm_80 and sm_90 compiles the SM80 backward for sm_80 only at the head dims the SM90
-    one serves); "" where it runs on them."""
+def _sm80_elsewhere(p: Problem, deterministic: bool) -> str:
+    """A note for the rows where a call forced onto the SM80 kernels runs on another family here (a
+    build for sm_80 and sm_90 compiles the SM80 kernels for sm_80 only at the head dims the SM90 ones
+    serve); "" where it runs on them."""
     from flashmask import _cuda
     q = torch.empty(1, 1, 1, p.head_dim, dtype=p.dtype, device=p.device)
-    arch = _cuda.selected_arch(q, 80, "bwd_deterministic" if deterministic else "bwd", p.dv)
-    return "" if arch == 80 else f"backward on the sm{arch} kernels (FLASHMASK_ARCHS=90 builds the SM80 one for sm_90)"
+    fwd = _cuda.selected_arch(q, 80, "fwd", p.dv)
+    bwd = _cuda.selected_arch(q, 80, "bwd_deterministic" if deterministic else "bwd", p.dv)
+    if fwd == bwd == 80:
+        return ""
+    which = "forward and backward" if fwd == bwd else "forward" if fwd != 80 else "backward"
+    return f"{which} on the sm{max(fwd, bwd)} kernels (FLASHMASK_ARCHS=90 builds the SM80 ones for sm_90)"
 
 
 def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
@@ -142,7 +146,7 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         _, bn = fwd_tile(p.head_dim)
         mask_bytes = 0 if startend is None else startend.numel() * startend.element_size() + bounds_bytes(startend, bn)
         prep = Prepared(attn, mask_bytes=mask_bytes, params=params)
-        note = _sm80_backward_elsewhere(p, deterministic) if backend == "sm80" and flashmask.cuda.available() else ""
+        note = _sm80_elsewhere(p, deterministic) if backend == "sm80" and flashmask.cuda.available() else ""
         if note:
             prep.notes.append(note)
         return prep

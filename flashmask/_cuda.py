@@ -103,16 +103,16 @@ def compiled_archs(head_dim: int, dtype: torch.dtype, head_dim_v: Optional[int] 
     return tuple(_C.archs(head_dim, str(dtype).replace("torch.", ""), dv))
 
 
-def backward_archs(head_dim: int, dtype: torch.dtype, cc: int, head_dim_v: Optional[int] = None) -> Tuple[int, ...]:
-    """Those of :func:`compiled_archs` whose backward runs on a device of compute capability ``cc``
-    (major * 10 + minor). A build for sm_80 and sm_90 compiles the SM80 backward for sm_80 only,
-    the SM90 backward serving every head dim on sm_90 (``FLASHMASK_ARCHS=90`` keeps it there); a
-    backward forced onto a family without it runs on the newest family that has it. Exact pairs
-    only: (160, 128) has no kernel of its own and gives ()."""
+def device_archs(head_dim: int, dtype: torch.dtype, cc: int, head_dim_v: Optional[int] = None) -> Tuple[int, ...]:
+    """Those of :func:`compiled_archs` whose kernels (forward and backward) run on a device of
+    compute capability ``cc`` (major * 10 + minor). A build for sm_80 and sm_90 compiles the SM80
+    kernels for sm_80 only, the SM90 kernels serving every head dim on sm_90 (``FLASHMASK_ARCHS=90``
+    keeps them there); a call forced onto a family without them runs on the newest family that has
+    them. Exact pairs only: (160, 128) has no kernel of its own and gives ()."""
     if _C is None:
         return ()
     dv = head_dim if head_dim_v is None else head_dim_v
-    return tuple(_C.backward_archs(head_dim, str(dtype).replace("torch.", ""), cc, dv))
+    return tuple(_C.device_archs(head_dim, str(dtype).replace("torch.", ""), cc, dv))
 
 
 def selected_arch(q: torch.Tensor, arch: int = 0, slot: str = "fwd", head_dim_v: Optional[int] = None) -> int:

@@ -16,7 +16,7 @@ the SASS checks for what slows a kernel down without any error:
     python -m tools.compile_check --sass flashmask/_C*.so
 
 An instantiation is generated as a build for ``--archs`` (FLASHMASK_ARCHS, default "80;90") generates
-it and compiled for ``--target`` (default: its family's own arch, 80 or 90a): an SM80 backward unit
+it and compiled for ``--target`` (default: its family's own arch, 80 or 90a): an SM80 unit
 compiled for 90a shows the sm_90 code that build keeps (empty kernels where csrc/instantiations.py
 skips_sm90 leaves it out).
 Compiling needs nvcc, the nvidia-cutlass wheel and a CUDA build of torch; it uses the C++ standard

@@ -371,8 +371,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("archs", &flashmask::compiled_archs,
           "architecture families compiled for (head dim, dtype name, value head dim; 0: equal to the head dim)",
           py::arg("head_dim"), py::arg("dtype"), py::arg("head_dim_v") = 0);
-    m.def("backward_archs", &flashmask::backward_archs,
-          "those of archs() whose backward runs on a device of compute capability cc (major * 10 + minor)",
+    m.def("device_archs", &flashmask::device_archs,
+          "those of archs() whose kernels run on a device of compute capability cc (major * 10 + minor)",
           py::arg("head_dim"), py::arg("dtype"), py::arg("cc"), py::arg("head_dim_v") = 0);
     m.def(
         "selected_arch",

@@ -38,7 +38,7 @@ TileSizes tiles_of(const KernelSet& k) {
 bool deterministic_in_bwd_kv(const KernelSet& k) { return k.arch == 90; }
 
 bool has(const KernelSet& k, Slot slot, int cc) {
-    if (slot != Slot::fwd && k.bwd_skips_sm90 && cc / 10 == 9) return false;
+    if (k.skips_sm90 && cc / 10 == 9) return false;
     switch (slot) {
         case Slot::fwd:
             return k.fwd != nullptr;
@@ -160,13 +160,14 @@ std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, 
     return archs;
 }
 
-std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v) {
+std::vector<int64_t> device_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v) {
     if (head_dim_v == 0) head_dim_v = head_dim;
     std::vector<int64_t> archs;
     if (!has_code_for(int(cc))) return archs;
     for (const KernelSet& k : kKernelSets) {
         if (k.head_dim == head_dim && k.head_dim_v == head_dim_v && dtype == dtype_name(k.dtype) &&
-            runs_on(k.arch, int(cc)) && has(k, Slot::bwd, int(cc)) && has(k, Slot::bwd_deterministic, int(cc)))
+            runs_on(k.arch, int(cc)) && has(k, Slot::fwd, int(cc)) && has(k, Slot::bwd, int(cc)) &&
+            has(k, Slot::bwd_deterministic, int(cc)))
             archs.push_back(k.arch);
     }
     return archs;
@@ -211,9 +212,9 @@ Selection select_kernels(int d, int dv, DType dtype, int cc, int arch, Slot slot
         return best != nullptr && has(*best, slot, cc) ? best : nullptr;
     };
     const KernelSet* best = pick(arch);
-    // A forced family without that backward here (the SM80 one a build for sm_80 and sm_90 leaves
-    // out of sm_90) leaves it to the newest family that has it.
-    if (best == nullptr && slot != Slot::fwd && arch != 0) best = pick(0);
+    // A forced family without the slot here (the SM80 kernels a build for sm_80 and sm_90 leaves out
+    // of sm_90) leaves it to the newest family that has it.
+    if (best == nullptr && arch != 0) best = pick(0);
     TORCH_CHECK(best != nullptr, "flashmask: no ", arch ? "sm" + std::to_string(arch) + " " : std::string(),
                 "kernel compiled for ", dims_str(d, dv), " and dtype ", dtype_name(dtype),
                 " (this build: head dim pairs ", join(pairs),

@@ -26,9 +26,9 @@ struct KernelSet {
     FwdFn fwd;
     BwdFn bwd_kv;  // dK, dV (and dQ by atomics when BwdParams::dq_accum is set)
     BwdFn bwd_dq;  // deterministic dQ
-    // The backward slots have no sm_90 code, absent on compute capability 9.x: a build for sm_90 and
-    // an older arch leaves those head dims to the SM90 backward there (csrc/instantiations.py skips_sm90).
-    bool bwd_skips_sm90;
+    // The set has no sm_90 code, its slots absent on compute capability 9.x: a build for sm_90 and an
+    // older arch leaves those head dims to the SM90 kernels there (csrc/instantiations.py skips_sm90).
+    bool skips_sm90;
 };
 
 // A device code target of the build (-gencode ...,code=sm_XY[a]): sm_XY code runs on compute
@@ -58,9 +58,9 @@ std::vector<std::string> compiled_dtypes();
 // The architecture families compiled for (head dim, value head dim, dtype), e.g. {80, 90};
 // head_dim_v 0 means equal to head_dim.
 std::vector<int64_t> compiled_archs(int64_t head_dim, const std::string& dtype, int64_t head_dim_v = 0);
-// Those of them whose backward (atomic and deterministic) runs on a device of compute capability
-// `cc`: a family may have it for older devices only (KernelSet::bwd_skips_sm90).
-std::vector<int64_t> backward_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v = 0);
+// Those of them whose kernels (forward, atomic and deterministic backward) run on a device of
+// compute capability `cc`: a family may have them for older devices only (KernelSet::skips_sm90).
+std::vector<int64_t> device_archs(int64_t head_dim, const std::string& dtype, int64_t cc, int64_t head_dim_v = 0);
 
 // Whether the build carries device code a GPU of compute capability `cc` runs (a table that lists
 // no targets restricts nothing), and the targets as "sm_80", "sm_90a", ...

@@ -20,7 +20,7 @@ using namespace cute;
 template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_dq_kernel(const BwdParams p) {
     // Empty on sm_90 in a unit that csrc/instantiations.py builds for older archs only (skips_sm90).
-#if !(defined(FLASHMASK_SM80_BWD_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
+#if !(defined(FLASHMASK_SM80_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;

@@ -42,7 +42,7 @@ __forceinline__ __device__ void atomic_add_tile(float* tile, Acc const& acc, int
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) dq_convert_kernel(const BwdParams p) {
     // Empty on sm_90 in a unit that csrc/instantiations.py builds for older archs only (skips_sm90).
-#if !(defined(FLASHMASK_SM80_BWD_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
+#if !(defined(FLASHMASK_SM80_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
     using Element = typename Traits::Element;
     using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
     extern __shared__ __align__(128) char smem[];

@@ -27,6 +27,8 @@ using namespace cute;
 // tile tests only the intervals its mode has. kSoftcap: the scores are soft-capped (common/softcap.h).
 template <typename Traits, bool Is_causal, int kMaskC, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams p) {
+    // Empty on sm_90 in a unit that csrc/instantiations.py builds for older archs only (skips_sm90).
+#if !(defined(FLASHMASK_SM80_SKIP_SM90) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900)
     constexpr bool Has_mask = kMaskC > 0;
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -190,6 +192,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
         Tensor sO = make_tensor(make_smem_ptr(smem_q), typename Traits::SmemLayoutO{});
         write_output<Traits>(output, acc_o, tiled_mma, sO, cO_rc, lse, r0, r1, tidx);
     }
+#endif
 }
 
 }  // namespace flashmask::sm80

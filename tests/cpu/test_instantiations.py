@@ -8,7 +8,7 @@ from tests import ROOT
 from tests.cxx import instantiations
 
 inst = instantiations()
-# A row of kernel_registry.inc: arch, head dim, value head dim, dtype, the slots, bwd_skips_sm90.
+# A row of kernel_registry.inc: arch, head dim, value head dim, dtype, the slots, skips_sm90.
 ROW = r"\{(\d+), (\d+), (\d+), DType::(\w+), ([^}]*), (true|false)\}"
 
 
@@ -120,7 +120,7 @@ def test_generated_units_and_registry(tmp_path):
     assert os.path.getmtime(paths[0]) == before - 100
 
 
-# The SM80 backward head dims an SM90 backward holds (32 rounds up to 64).
+# The SM80 head dims an SM90 kernel holds (32 rounds up to 64).
 SERVED = {(d, dv) for d, dv in inst.arch_head_dim_pairs("sm80")
           if any(d <= s and dv <= sv for s, sv in inst.arch_head_dim_pairs("sm90"))}
 
@@ -130,38 +130,45 @@ def _skipped(archs, head_dims=inst.HEAD_DIMS):
     return selected, {i for i in selected if inst.skips_sm90(i, archs, selected)}
 
 
-def test_sm80_backward_skips_sm90_where_the_sm90_backward_serves():
-    """A build for sm_80 and sm_90 leaves the sm_90 code out of exactly the SM80 backward kernels
-    (bwd_kv and bwd_dq, both dtypes) at the head dims an SM90 backward holds: every one; the
-    forwards keep theirs."""
+def test_sm80_kernels_skip_sm90_where_the_sm90_kernels_serve():
+    """A build for sm_80 and sm_90 leaves the sm_90 code out of exactly the SM80 kernels (fwd,
+    bwd_kv and bwd_dq, both dtypes) at the head dims an SM90 kernel holds: every one."""
     assert SERVED == {(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     for archs in (["80", "90"], ["80", "90a"], ["86", "90"], ["80", "90", "100"]):
         _, skipped = _skipped(archs)
-        assert skipped == {inst.Instantiation("sm80", k, d, dv, t) for k in ("bwd_kv", "bwd_dq")
+        assert skipped == {inst.Instantiation("sm80", k, d, dv, t) for k in ("fwd", "bwd_kv", "bwd_dq")
                            for d, dv in SERVED for t in inst.DTYPES}, archs
-    # Nothing where the build has no older arch (sm_90 alone: the SM80 backward's only way onto a
+    # Nothing where the build has no older arch (sm_90 alone: the SM80 kernels' only way onto a
     # Hopper GPU) or no sm_90 code at all.
     for archs in (["90"], ["90a"], ["80"], ["80", "86"], ["90", "100"]):
         assert _skipped(archs)[1] == set(), archs
 
 
-def test_skips_sm90_follows_the_selected_head_dims():
-    """FLASHMASK_HEAD_DIMS=32 has no SM90 backward to leave head dim 32 to: its SM80 backward keeps
-    its sm_90 code. With 64 built as well, 32 rounds up to the SM90 head dim 64."""
+def test_skips_sm90_follows_the_selected_head_dims(tmp_path):
+    """FLASHMASK_HEAD_DIMS=32 has no SM90 kernel to leave head dim 32 to: its SM80 kernels keep
+    their sm_90 code. With 64 built as well, 32 rounds up to the SM90 head dim 64."""
     assert _skipped(["80", "90"], [32])[1] == set()
     _, skipped = _skipped(["80", "90"], [32, 64])
-    assert {(i.kernel, i.head_dim) for i in skipped} == {(k, d) for k in ("bwd_kv", "bwd_dq") for d in (32, 64)}
+    assert {(i.kernel, i.head_dim) for i in skipped} == {(k, d) for k in ("fwd", "bwd_kv", "bwd_dq")
+                                                         for d in (32, 64)}
     _, skipped = _skipped(["80", "90"], [192])
     assert {(i.head_dim, i.head_dim_v) for i in skipped} == {(192, 192), (192, 128)}
-    # A dtype the SM90 backward is not built for keeps the SM80 one.
-    sm80_fp16 = inst.Instantiation("sm80", "bwd_kv", 128, 128, "fp16")
+    # A dtype the SM90 kernels are not built for keeps the SM80 ones; a forward skips only for an
+    # SM90 forward, a backward only for an SM90 backward.
     sm90_bf16 = inst.instantiations([128], ["bf16"], ["sm90"])
-    assert not inst.skips_sm90(sm80_fp16, ["80", "90"], sm90_bf16 + [sm80_fp16])
+    for kernel in ("fwd", "bwd_kv"):
+        sm80_fp16 = inst.Instantiation("sm80", kernel, 128, 128, "fp16")
+        assert not inst.skips_sm90(sm80_fp16, ["80", "90"], sm90_bf16 + [sm80_fp16])
+    sm80_bf16 = [inst.Instantiation("sm80", k, 128, 128, "bf16") for k in ("fwd", "bwd_kv")]
+    sm90_fwd = [i for i in sm90_bf16 if i.kernel == "fwd"]
+    assert [inst.skips_sm90(i, ["80", "90"], sm90_fwd + sm80_bf16) for i in sm80_bf16] == [True, False]
+    with pytest.raises(ValueError, match="forward and backward together"):
+        inst.generate(str(tmp_path), sm90_fwd + sm80_bf16, ["80", "90"])
 
 
 def test_generated_units_and_registry_carry_skips_sm90(tmp_path):
     """The units skips_sm90 picks, and only those, define the macro before their launch header; the
-    registry row of their set says bwd_skips_sm90 (true), every other row false."""
+    registry row of their set says skips_sm90 (true), every other row false."""
     archs = ["80", "90"]
     selected, skipped = _skipped(archs)
     paths = inst.generate(str(tmp_path), selected, archs)
@@ -171,7 +178,7 @@ def test_generated_units_and_registry_carry_skips_sm90(tmp_path):
         assert (macro in text) == (i in skipped), i
         if i in skipped:
             assert text.index(macro) < text.index("#include")
-    for header in ("sm80/bwd_kv_kernel.h", "sm80/bwd_dq_kernel.h", "sm80/dq_accum.h"):
+    for header in ("sm80/fwd_kernel.h", "sm80/bwd_kv_kernel.h", "sm80/bwd_dq_kernel.h", "sm80/dq_accum.h"):
         src = open(os.path.join(ROOT, "csrc", header)).read()
         assert f"defined({inst.SKIP_SM90_MACRO}) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900" in src, header
     rows = re.findall(ROW, open(tmp_path / "kernel_registry.inc").read())

@@ -1,10 +1,10 @@
 """The kernel choice of csrc/api/registry.cpp on the CPU: the registry compiled with a C++ compiler
 and torch's c10 against the table csrc/instantiations.py generates for a build, the kernels stubbed.
 
-A build for sm_80 and sm_90 (the default) leaves the SM80 backward's sm_90 code out at the head dims
-the SM90 backward serves (instantiations.skips_sm90): on compute capability 9.0 a backward forced onto
-sm80 there must go to the SM90 backward, never to the empty SM80 kernels nor to a larger SM80 head
-dim; a build for sm_90 alone keeps it; and no call that names no family changes its kernels.
+A build for sm_80 and sm_90 (the default) leaves the SM80 kernels' sm_90 code out at the head dims
+the SM90 kernels serve (instantiations.skips_sm90): on compute capability 9.0 a call forced onto sm80
+there must go to the SM90 kernels, never to the empty SM80 kernels nor to a larger SM80 head dim; a
+build for sm_90 alone keeps them; and no call that names no family changes its kernels.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ int main() {
         }
     }
     for (int cc : {80, 90}) for (int d : {32, 64, 96, 128, 192, 256}) {
-        std::printf("backward_archs %%d %%d", cc, d);
-        for (int64_t a : backward_archs(d, "bfloat16", cc)) std::printf(" %%d", int(a));
+        std::printf("device_archs %%d %%d", cc, d);
+        for (int64_t a : device_archs(d, "bfloat16", cc)) std::printf(" %%d", int(a));
         std::printf("\n");
     }
     for (int cc : {75, 80, 86, 89, 90, 100, 120}) {
@@ -105,21 +105,20 @@ def tables(tmp_path_factory):
     return {archs: _select_table(tmp, list(archs)) for archs in (("80", "90"), ("90",))}
 
 
-def test_forced_sm80_backward_goes_to_sm90_where_its_sm90_code_is_left_out(tables):
+def test_forced_sm80_goes_to_sm90_where_its_sm90_code_is_left_out(tables):
     select, backward, _ = tables[("80", "90")]
     for d, dv in PAIRS:
         # The smallest SM90 pair holding (d, dv): (160, 128) runs on (192, 128).
         sm90_dims = min(h for h in (64, 96, 128, 192, 256) if h >= d)
-        for slot in ("bwd", "bwd_deterministic"):
+        for slot in SLOTS:
             assert select[(90, 80, d, dv, slot)] == (90, sm90_dims), (d, dv, slot)
-        # The forward keeps its sm_90 code: split-KV runs on it only.
-        assert select[(90, 80, d, dv, "fwd")] == select[(80, 80, d, dv, "fwd")], (d, dv)
-        assert select[(90, 80, d, dv, "fwd")][0] == 80
+        # On an A100 the forced family is the one that runs.
+        assert select[(80, 80, d, dv, "fwd")][0] == 80
     assert backward[(90, 128)] == [90] and backward[(90, 32)] == [] and backward[(90, 192)] == [90]
     assert backward[(80, 128)] == [80] and backward[(80, 32)] == [80]
 
 
-def test_a_build_for_sm90_alone_keeps_the_sm80_backward(tables):
+def test_a_build_for_sm90_alone_keeps_the_sm80_kernels(tables):
     select, backward, _ = tables[("90",)]
     on_ampere = tables[("80", "90")][0]
     for d, dv in PAIRS:

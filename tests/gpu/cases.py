@@ -25,13 +25,15 @@ def main_head_dim():
 
 
 def _kernel_backends():
-    """Every kernel family this build has that the device runs, as a backend= value ("sm80", "sm90")."""
+    """Every kernel family this build runs on the device, as a backend= value ("sm80", "sm90"). A
+    build for sm_80 and sm_90 runs the SM90 kernels alone on Hopper (it compiles the SM80 ones for
+    sm_80 only, instantiations.skips_sm90); FLASHMASK_ARCHS=90 runs both there."""
     if not _cuda.available():
         return ["cuda"]
     major, minor = torch.cuda.get_device_capability()
     cc = major * 10 + minor
-    archs = {a for d in _cuda.compiled_head_dims() for t in DTYPES for a in _cuda.compiled_archs(d, t)}
-    return [f"sm{a}" for a in sorted(archs) if (cc == 90 if a == 90 else cc >= a)]
+    archs = {a for d in _cuda.compiled_head_dims() for t in DTYPES for a in _cuda.device_archs(d, t, cc)}
+    return [f"sm{a}" for a in sorted(archs)]
 
 
 # The GPU tests run once per kernel family (conftest.py's every_kernel_family sets BACKEND), so that the
@@ -56,6 +58,9 @@ def skip_unless_backend_serves(q, backward=False):
     arch = _cuda.ARCHS.get(BACKEND, 0)
     if arch and arch not in _cuda.compiled_archs(kernel_head_dim(q.shape[-1]), q.dtype):
         pytest.skip(f"{BACKEND} has no kernel for head dim {q.shape[-1]}, {q.dtype}")
+    if arch and _cuda.selected_arch(q, arch) != arch:
+        pytest.skip(f"this build runs the {BACKEND} forward of head dim {q.shape[-1]} on the "
+                    f"sm{_cuda.selected_arch(q, arch)} kernels here")
     if backward:
         skip_unless_backward_on(arch, q)
 

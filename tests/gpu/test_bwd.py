@@ -183,21 +183,22 @@ def test_output_at_any_alignment(d):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_forced_sm80_backward_without_sm90_code_runs_on_sm90(deterministic):
-    """A build for sm_80 and sm_90 compiles the SM80 backward for sm_80 only at the head dims the SM90
-    backward serves: forced onto sm80 there, the backward runs the SM90 kernels (never the empty
-    sm_90 body of the SM80 ones) after the SM80 forward, and gives the reference's gradients."""
-    if cuda_cases.BACKEND != "sm80":
-        pytest.skip("runs once, with the sm80 backend")
+def test_forced_sm80_without_sm90_code_runs_on_sm90(deterministic):
+    """A build for sm_80 and sm_90 compiles the SM80 kernels for sm_80 only at the head dims the SM90
+    kernels serve: forced onto sm80 there, the forward and the backward run the SM90 kernels (never
+    the empty sm_90 bodies of the SM80 ones), and give the reference's gradients."""
+    if cuda_cases.BACKEND != cuda_cases.KERNEL_BACKENDS[-1]:
+        pytest.skip("runs once, with the last backend")
     major, minor = torch.cuda.get_device_capability()
     cc, dtype = major * 10 + minor, DTYPES[-1]
-    dims = [d for d in _cuda.compiled_head_dims() if 80 not in _cuda.backward_archs(d, dtype, cc)]
+    dims = [d for d in _cuda.compiled_head_dims() if 80 not in _cuda.device_archs(d, dtype, cc)]
     if not dims:
-        pytest.skip("this build runs the SM80 backward at every head dim on this device")
+        pytest.skip("this build runs the SM80 kernels at every head dim on this device")
     slot = "bwd_deterministic" if deterministic else "bwd"
     for d in dims:
         q, k, v = make_qkv(1, 300, 257, 4, 2, d, dtype)
         assert _cuda.selected_arch(q, 80, slot) == _cuda.selected_arch(q, 0, slot) != 80, d
+        assert _cuda.selected_arch(q, 80) == _cuda.selected_arch(q, 0) != 80, d
         mask, dout = random_startend(1, 2, 300, 257, True, 2, device="cuda"), torch.randn_like(q)
         poison_allocator(q.numel() * 3)
         got = grads(lambda a, b, c: flashmask.flashmask_attention(

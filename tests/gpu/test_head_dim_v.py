@@ -221,11 +221,11 @@ def test_binding_lists_and_selects_pairs():
             assert _cuda._C.selected_arch(d, dtype, cc, 0, "fwd") == _cuda._C.selected_arch(d, dtype, cc, 0, "fwd", d)
         else:
             assert 80 in _cuda._C.archs(d, dtype, dv)
-            assert _cuda._C.selected_arch(d, dtype, cc, 80, "fwd", dv) == 80
-            # A build for sm_80 and sm_90 leaves the SM80 backward out of sm_90 where an SM90 one holds
-            # the pair: the forced backward then runs there.
-            sm80_bwd = 80 in _cuda._C.backward_archs(d, dtype, cc, dv)
-            assert _cuda._C.selected_arch(d, dtype, cc, 80, "bwd_deterministic", dv) == (80 if sm80_bwd else 90)
+            # A build for sm_80 and sm_90 leaves the SM80 kernels out of sm_90 where SM90 ones hold
+            # the pair: a call forced onto sm80 then runs there.
+            sm80_here = 80 in _cuda._C.device_archs(d, dtype, cc, dv)
+            for slot in ("fwd", "bwd_deterministic"):
+                assert _cuda._C.selected_arch(d, dtype, cc, 80, slot, dv) == (80 if sm80_here else 90)
 
 
 @pytest.mark.parametrize("pair", MAIN, ids=_ids)

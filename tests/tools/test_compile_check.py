@@ -113,8 +113,8 @@ def test_nvcc_command():
 
 
 def test_generated_unit_follows_the_build_archs(tmp_path):
-    """An SM80 backward unit is written as the build for --archs writes it: without sm_90 code where
-    the SM90 backward serves its head dims in a build for sm_80 and sm_90, with it for sm_90 alone."""
+    """An SM80 unit is written as the build for --archs writes it: without sm_90 code where the SM90
+    kernels serve its head dims in a build for sm_80 and sm_90, with it for sm_90 alone."""
     macro = f"#define {compile_check.inst.SKIP_SM90_MACRO}"
     kv128 = compile_check.inst.Instantiation("sm80", "bwd_kv", 128, 128, "bf16")
     kv256 = compile_check.inst.Instantiation("sm80", "bwd_kv", 256, 256, "bf16")

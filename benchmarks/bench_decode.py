@@ -8,8 +8,10 @@ sees keys up to Sk - Sq + i, so one query sees them all): q ``[B, Sq, H, D]``, k
 Hk, D]``. Every method reads all of K and V, so besides TFLOP/s (on the attended pairs) the table
 gives the GB/s of q, k, v and the output moved: at these shapes memory bandwidth is the bound.
 
-Methods: ``flashmask`` (the binding chooses the number of splits), ``flashmask_unsplit`` (one CTA
-per query tile: what the splits gain), ``flashmask_sm80`` (the SM80 kernels, where the build has
+Methods: ``flashmask`` (``flashmask_attention``: the binding chooses the number of splits, and a
+GQA group's heads run as the rows of one query tile where nothing tells them apart),
+``flashmask_unsplit`` (the kernels' op called directly with one job per query head's tile: what
+splitting and folding gain), ``flashmask_sm80`` (the SM80 kernels, where the build has
 them for this GPU), ``flex``, ``sdpa_flash``, ``sdpa_cudnn``.
 Forward only, under ``torch.no_grad()``.
 

@@ -103,12 +103,47 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         arch = None
 
     if arch is not None:
-        out, lse = _cuda.attention(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0, arch,
-                                   softcap, sinks)
+        group = gqa_fold(q, k, startend_row_indices, causal, sinks)
+        if group > 1:
+            out, lse = _folded_attention(q, k, v, group, scale, bool(deterministic), arch, softcap)
+        else:
+            out, lse = _cuda.attention(q, k, v, startend_row_indices, bool(causal), scale, bool(deterministic), 0,
+                                       arch, softcap, sinks)
     else:
         extra = {} if not softcap and sinks is None else {"softcap": softcap, "sinks": sinks}
         out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale, **extra)
     return (out, lse) if return_lse else out
+
+
+# At most this many folded query rows (Sq x the GQA group): one query tile of the kernels.
+GQA_FOLD_ROWS = 128
+
+
+def gqa_fold(q: torch.Tensor, k: torch.Tensor, startend_row_indices: Optional[torch.Tensor], causal: bool,
+             sinks: Optional[torch.Tensor]) -> int:
+    """How many query heads of a GQA group the kernels take as query rows of one head (1: none).
+
+    The heads of a group read the same keys; with neither a mask, nor a causal bound that differs
+    between rows (one query row sees every key), nor a sink per head, a row's result does not depend
+    on which head or row it is. Short queries (decoding: one row a head) then fill one query tile
+    per group that reads the group's K and V once, instead of a tile per head, each with a few rows.
+    """
+    sq, group = q.shape[1], q.shape[2] // k.shape[2]
+    if group == 1 or startend_row_indices is not None or sinks is not None or (causal and sq != 1):
+        return 1
+    return group if sq * group <= GQA_FOLD_ROWS else 1
+
+
+def _folded_attention(q, k, v, group, scale, deterministic, arch, softcap):
+    """The kernels on q's heads folded into rows: q [B, Sq, Hk * g, D] as [B, Sq * g, Hk, D] (row
+    s * g + j is head hk * g + j's row s), unfolded again in the output and the LSE."""
+    b, sq, hq, d = q.shape
+    hk = k.shape[2]
+    folded = q.reshape(b, sq, hk, group, d).transpose(2, 3).reshape(b, sq * group, hk, d)
+    out, lse = _cuda.attention(folded, k, v, None, False, scale, deterministic, 0, arch, softcap, None)
+    out = out.reshape(b, sq, group, hk, -1).transpose(2, 3).reshape(b, sq, hq, -1)
+    lse = lse.reshape(b, hk, sq, group).transpose(2, 3).reshape(b, hq, sq)
+    return out, lse
 
 
 _warned = set()

@@ -32,9 +32,8 @@ struct FwdEpilogue {
         float lse[Softmax::kRowCount];
         Tensor o_rc = rowcol(acc_o);
         // A split's empty row may see keys in other splits: the merge tells hidden rows apart.
-        softmax.finalize(o_rc, p.score_scale, lse, output.sink, [&](int mi) {
-            return split || row_hidden(p, tile.b, tile.h, tile.r0 + get<0>(cO(mi, 0)));
-        });
+        softmax.finalize(o_rc, p.score_scale, lse, output.sink,
+                         [&](int mi) { return split || row_hidden(p, tile.b, tile.h, tile.r0 + get<0>(cO(mi, 0))); });
         if (split) {
             output.write_partial(o_rc, cO, lse, tile.r0, tile.r1, ctid);
             return;

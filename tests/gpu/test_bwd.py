@@ -307,3 +307,24 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(loss, loss_e)
     for a, b in zip(leaves, eager):
         torch.testing.assert_close(a.grad, b.grad, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sq,causal,softcap", [(1, True, 0.0), (1, False, 30.0), (7, False, 0.0), (32, False, 0.0)])
+def test_gqa_group_folded_into_rows(sq, causal, softcap):
+    """Short queries without a mask (decoding): flashmask_attention runs a GQA group's heads as query
+    rows of one head (flashmask.attention.gqa_fold), forward and backward against the reference."""
+    q, k, v = make_qkv(2, sq, 3000, 8, 2, cuda_cases.main_head_dim(), DTYPES[-1])
+    cuda_cases.skip_unless_backend_serves(q, backward=True)
+    assert flashmask.attention.gqa_fold(q, k, None, causal, None) == 4
+    dout = torch.randn_like(q)
+    poison_allocator(q.numel() * 64)
+    out, lse = flashmask.flashmask_attention(q, k, v, causal=causal, softcap=softcap, return_lse=True,
+                                             backend=cuda_cases.BACKEND)
+    assert_close_to_reference(out, lse, q, k, v, None, causal, softcap=softcap)
+    got = grads(lambda a, b, c: flashmask.flashmask_attention(
+        a, b, c, causal=causal, softcap=softcap, return_lse=True, backend=cuda_cases.BACKEND), q, k, v, dout)
+    ref = grads(lambda a, b, c: reference_attention(a.float(), b.float(), c.float(), None, causal=causal,
+                                                    softcap=softcap), q, k, v, dout)
+    low = grads(lambda a, b, c: low_precision_attention(a, b, c, None, causal, None, softcap=softcap), q, k, v, dout)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        assert max_err(g, r) <= error_bound(lo, r), name

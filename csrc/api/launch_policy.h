@@ -7,19 +7,15 @@
 #include <cstdint>
 
 #include "api/overrides.h"
+#include "api/split_policy.h"
 
 namespace flashmask {
 
-// Split-KV pays off when the (query tile, head, batch) jobs cannot fill the GPU, typically short
-// queries against long keys: then each tile's key blocks are shared among up to 64 jobs, keeping
-// at least 4 key blocks per split. ctas_per_sm: the forward's resident CTAs per SM (SM80 two, the
-// persistent SM90 one).
+// The split-KV count of a forward (split_policy.h) on this GPU; ctas_per_sm: the forward's resident
+// CTAs per SM (SM80 two, the persistent SM90 one).
 inline int choose_num_splits(int tiles, int n_key_blocks, int ctas_per_sm) {
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int resident = ctas_per_sm * sms;
-    if (tiles >= resident || n_key_blocks < 8) return 1;
-    const int want = (resident + tiles - 1) / tiles;
-    return std::max(1, std::min({want, n_key_blocks / 4, 64}));
+    return split_kv_count(tiles, n_key_blocks, ctas_per_sm * sms);
 }
 
 // How many heads the launch interleaves (AttnParams::head_group). Without a mask every head's

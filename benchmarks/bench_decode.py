@@ -6,7 +6,8 @@ tensors.
 A cell is B sequences of Sq queries at the end of Sk keys, causal and aligned bottom-right (query i
 sees keys up to Sk - Sq + i, so one query sees them all): q ``[B, Sq, H, D]``, k and v ``[B, Sk,
 Hk, D]``. Every method reads all of K and V, so besides TFLOP/s (on the attended pairs) the table
-gives the GB/s of q, k, v and the output moved: at these shapes memory bandwidth is the bound.
+gives the GB/s of q, k, v and the output moved: with one query a sequence, memory bandwidth is the
+bound.
 
 Methods: ``flashmask`` (``flashmask_attention``: the binding chooses the number of splits, and a
 GQA group's heads run as the rows of one query tile where nothing tells them apart),

@@ -17,6 +17,7 @@
 #include "api/overrides.h"
 #include "api/registry.h"
 #include "common/row_kernels.h"
+#include "common/softcap_max.h"
 
 namespace flashmask {
 namespace {
@@ -109,6 +110,7 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
     p.softcap_scale = softcap > 0.0 ? float(softmax_scale / softcap) : 0.f;
     p.score_scale = float(softcap > 0.0 ? softcap : softmax_scale);
     p.scale_log2 = float(p.score_scale * M_LOG2E);
+    p.softcap_max = softcap > 0.0 && q.scalar_type() == at::kBFloat16 ? softcap_fixed_max(p.scale_log2) : -1.f;
     p.causal = causal;
     p.n_key_blocks = (sk + block_n - 1) / block_n;
     if (!startend_row_indices.has_value()) return;

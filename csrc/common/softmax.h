@@ -148,6 +148,26 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, moved);
     }
 
+    // A softmax whose rows' max is known before any score (soft-capped scores: common/softcap_max.h):
+    // every row's max set to m once, then exp_at_fixed_max for each block. O needs no rescale.
+    __forceinline__ __device__ void fix_max(float m) {
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i) row_max[i] = m;
+    }
+    // exp(s - max) in place, and the row sums.
+    template <typename S>
+    __forceinline__ __device__ void exp_at_fixed_max(S& s, float scale_log2) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < cute::size<0>(s); ++mi) {
+            const float m_scaled = row_max[mi] * scale_log2;
+            CUTE_UNROLL
+            for (int ni = 0; ni < cute::size<1>(s); ++ni) {
+                s(mi, ni) = exp2f(s(mi, ni) * scale_log2 - m_scaled);
+                row_sum[mi] += s(mi, ni);
+            }
+        }
+    }
+
     template <typename O>
     __forceinline__ __device__ static void rescale(O& o, const float (&correction)[kRows]) {
         CUTE_UNROLL
@@ -177,7 +197,8 @@ struct OnlineSoftmax {
                 inv = empty ? (blown ? NAN : 0.f) : 1.f / sum;
                 row_lse = empty ? (blown ? NAN : INFINITY) : row_max[mi] * score_scale + __logf(sum);
             } else {
-                const float m = row_max[mi] == -INFINITY ? -INFINITY : row_max[mi] * score_scale;
+                // A row that kept nothing weighs its max 0, whether it never had one or it was fixed.
+                const float m = sum == 0.f ? -INFINITY : row_max[mi] * score_scale;
                 const float top = fmaxf(m, sink);
                 const float kept = __expf(m - top);
                 const float total = sum * kept + __expf(sink - top);

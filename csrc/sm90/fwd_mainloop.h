@@ -30,6 +30,9 @@ struct FwdMainloop {
     static constexpr int kBlockN = Traits::kBlockN;
     static constexpr bool kSkip = Traits::kGroupSight;  // each warpgroup skips the blocks its rows do not see
     static constexpr bool kStaleMax = Traits::kStaleMax;
+    // Soft-capped bf16 scores may run at a fixed max (AttnParams::softcap_max): no block max and no
+    // rescale of O, where the cap's tanh already keeps the MUFU busy.
+    static constexpr bool kFixedMax = kSoftcap && std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>;
     using Barriers = FwdBarriers<kWarpgroups>;
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
@@ -100,6 +103,8 @@ struct FwdMainloop {
         Tensor tOrV = thr_pv.partition_fragment_B(sVt);
         Tensor cS = rowcol(thr_qk.partition_C(make_identity_tensor(typename Traits::TileS{})));
         clear(acc_o);
+        const bool fixed_max = kFixedMax && p.softcap_max >= 0.f;
+        if (fixed_max) softmax.fix_max(p.softcap_max);
 
         // The first block alone, then each next block's S = Q K^T is issued together with the
         // previous block's O += P V, one batch for the tensor cores. The source waits for that
@@ -121,7 +126,10 @@ struct FwdMainloop {
                     s_rc, cS, cmp, tile.r0, ticket.block() * kBlockN, p.sk, p.sk - p.sq, shared.mask_cols[slot],
                     ticket.tight());
             }
-            if constexpr (kStaleMax) {
+            if (fixed_max) {  // P is written by store_p, once the P V before is done with it
+                softmax.exp_at_fixed_max(s_rc, p.scale_log2);
+                rescale = false;
+            } else if constexpr (kStaleMax) {
                 // The P V before reads P, which this writes. Waiting here rather than before the
                 // compare lets a partial block's compare run under that P V.
                 warpgroup_wait<0>();
@@ -139,9 +147,9 @@ struct FwdMainloop {
                 rescale = softmax.update_scores(s_rc, p.scale_log2, correction);
             }
         };
-        // kStaleMax writes P in the softmax.
+        // kStaleMax writes P in the softmax, but for a fixed max.
         auto store_p = [&]() {
-            if constexpr (!kStaleMax) {
+            if (!kStaleMax || fixed_max) {
                 Tensor converted = convert_to<Element>(acc_s);
                 CUTE_UNROLL
                 for (int i = 0; i < size(rP); ++i) rP(i) = converted(i);

@@ -249,6 +249,26 @@ def test_softcap_values_and_modes(softcap, causal, c):
     check_forward(q, k, v, random_mask(2, hm, sq, sk, causal, c), causal, softcap)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", [-2.0, 0.0, 2.0])
+@pytest.mark.parametrize("softcap", [20.0, 65.0, 66.0, 120.0])
+def test_softcap_scores_at_the_ends_of_the_range(softcap, level, dtype):
+    """bf16 runs soft-capped scores at a fixed max up to softcap 65.8 (csrc/common/softcap_max.h) and at
+    the rows' running max above it, as fp16 always does. Every row's scores about level * softcap
+    before the cap (spread by 0.15 softcap): near -softcap after it, where a fixed max's exponentials
+    are smallest, or near +softcap, where they are largest; caps on both sides of the widest fixed
+    max. Forward and backward against the reference: no row's sum flushed to zero or overflowed."""
+    d = main_head_dim()
+    sq, sk = 200, 333
+    q = torch.randn(1, sq, 4, d, device="cuda") * 0.1
+    k = torch.randn(1, sk, 2, d, device="cuda") * 0.1
+    q[..., 0], q[..., 1] = level * softcap, 1.0  # score = level * softcap + k[..., 1] (softmax_scale 1)
+    k[..., 0], k[..., 1] = 1.0, 0.15 * softcap * torch.randn(1, sk, 2, device="cuda")
+    q, k, v = q.to(dtype), k.to(dtype), torch.randn(1, sk, 2, d, device="cuda").to(dtype)
+    check_forward(q, k, v, None, True, softcap, scale=1.0, sensitive=())
+    check_backward(q, k, v, None, True, softcap, scale=1.0, sensitive=())
+
+
 # --- forward: sinks -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["randn", "lse", "extreme"])

@@ -32,6 +32,7 @@ import torch
 from benchmarks.cli import DTYPES, add_testing_args, add_timing_args, parse_choice_list, parse_int_list, resolve_timing
 from benchmarks.errors import format_error
 from benchmarks.flex import configure_dynamo
+from benchmarks.methods import bhsd
 from benchmarks.output import default_out_dir, environment, write_results
 from benchmarks.timing import time_ms
 
@@ -85,10 +86,6 @@ def bytes_moved(batch: int, sq: int, sk: int, heads: int, kv_heads: int, head_di
     return batch * head_dim * elem * (2 * sq * heads + 2 * sk * kv_heads)
 
 
-def _bhsd(x):
-    return x.transpose(1, 2)
-
-
 def make_method(method: str, q, k, v, args) -> Callable:
     """The forward of ``method`` on (q, k, v) [B, S, H, D]; raises RuntimeError with the reason where it
     does not apply here."""
@@ -119,7 +116,7 @@ def make_method(method: str, q, k, v, args) -> Callable:
 
         bm, _ = flex.build_block_mask(bottom_right, None, None, sq, sk, q.device)
         attn = flex.compiled_flex_attention(not args.flex_no_compile)
-        return lambda: _bhsd(attn(_bhsd(q), _bhsd(k), _bhsd(v), block_mask=bm, enable_gqa=gqa))
+        return lambda: bhsd(attn(bhsd(q), bhsd(k), bhsd(v), block_mask=bm, enable_gqa=gqa))
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -129,7 +126,7 @@ def make_method(method: str, q, k, v, args) -> Callable:
 
     def attn():
         with sdpa_kernel(backend):
-            return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), attn_mask=mask,
+            return bhsd(F.scaled_dot_product_attention(bhsd(q), bhsd(k), bhsd(v), attn_mask=mask,
                                                         enable_gqa=gqa))
     return attn
 

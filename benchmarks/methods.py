@@ -86,7 +86,8 @@ class Prepared:
     params: Tuple[torch.Tensor, ...] = ()  # more leaves attn reads (the sinks): differentiated in bwd modes
 
 
-def _bhsd(x):
+def bhsd(x):
+    """[B, S, H, D] <-> [B, H, S, D] (the layout of FlexAttention and SDPA)."""
     return x.transpose(1, 2)
 
 
@@ -169,13 +170,13 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
             flex_attention = flex.compiled_flex_attention(opt.flex_compile)
 
             def attn(q, k, v):
-                return _bhsd(flex_attention(_bhsd(q), _bhsd(k), _bhsd(v), score_mod=score_mod, block_mask=bm,
+                return bhsd(flex_attention(bhsd(q), bhsd(k), bhsd(v), score_mod=score_mod, block_mask=bm,
                                             enable_gqa=gqa, kernel_options=options))
         else:
             flex_sinks = flex.compiled_flex_attention_with_sinks(opt.flex_compile)
 
             def attn(q, k, v):
-                return _bhsd(flex_sinks(_bhsd(q), _bhsd(k), _bhsd(v), sinks, score_mod=score_mod, block_mask=bm,
+                return bhsd(flex_sinks(bhsd(q), bhsd(k), bhsd(v), sinks, score_mod=score_mod, block_mask=bm,
                                         enable_gqa=gqa, kernel_options=options))
 
         prep = Prepared(attn, mask_bytes=flex.block_mask_bytes(bm), build_ms=build_ms, state={"bm": bm},
@@ -209,7 +210,7 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
         gqa = p.gqa
 
         def attn(q, k, v):
-            return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), attn_mask=dense, enable_gqa=gqa))
+            return bhsd(F.scaled_dot_product_attention(bhsd(q), bhsd(k), bhsd(v), attn_mask=dense, enable_gqa=gqa))
 
         return Prepared(attn, mask_bytes=dense.numel(), build_ms=build_ms, state={"dense": dense})
 
@@ -224,7 +225,7 @@ def prepare_method(method: str, p: Problem, opt: Options) -> Prepared:
 
         def attn(q, k, v):
             with sdpa_kernel(backend):
-                return _bhsd(F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=causal,
+                return bhsd(F.scaled_dot_product_attention(bhsd(q), bhsd(k), bhsd(v), is_causal=causal,
                                                             enable_gqa=gqa))
 
         return Prepared(attn, mask_bytes=0)

@@ -257,7 +257,9 @@ def test_softcap_scores_at_the_ends_of_the_range(softcap, level, dtype):
     the rows' running max above it, as fp16 always does. Every row's scores about level * softcap
     before the cap (spread by 0.15 softcap): near -softcap after it, where a fixed max's exponentials
     are smallest, or near +softcap, where they are largest; caps on both sides of the widest fixed
-    max. Forward and backward against the reference: no row's sum flushed to zero or overflowed."""
+    max. Forward against the reference: no row's sum flushed to zero or overflowed; the backward,
+    which takes P from the forward's LSE, at the two ends (level 0 spreads the scores over +-30
+    logits, nearly uncapped: the plain regime the other backward tests cover)."""
     d = main_head_dim()
     sq, sk = 200, 333
     q = torch.randn(1, sq, 4, d, device="cuda") * 0.1
@@ -266,7 +268,8 @@ def test_softcap_scores_at_the_ends_of_the_range(softcap, level, dtype):
     k[..., 0], k[..., 1] = 1.0, 0.15 * softcap * torch.randn(1, sk, 2, device="cuda")
     q, k, v = q.to(dtype), k.to(dtype), torch.randn(1, sk, 2, d, device="cuda").to(dtype)
     check_forward(q, k, v, None, True, softcap, scale=1.0, sensitive=())
-    check_backward(q, k, v, None, True, softcap, scale=1.0, sensitive=())
+    if level:
+        check_backward(q, k, v, None, True, softcap, scale=1.0, sensitive=())
 
 
 # --- forward: sinks -----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Public API, one line each (docs/format.md is the mask contract):
 Attention
     flashmask_attention     exact attention under a mask: the CUDA kernels, else the reference path
     reference_attention     the pure-PyTorch path, (out, lse) on any device: the tests' oracle
+    flash_attn_func, flash_attn_varlen_func  flash-attn 2's functions on flashmask (packed documents)
     cuda                    the kernels' build: cuda.available(), cuda.unavailable_reason()
     python -m flashmask     what this installation runs: versions, GPUs, kernels (flashmask.env_report)
 
@@ -44,6 +45,7 @@ import sys
 import masks
 from flashmask import _cuda as cuda
 from flashmask.attention import flashmask_attention
+from flashmask.flash_attn import flash_attn_func, flash_attn_varlen_func
 from flashmask.modules import FlashMaskAttention, FlashMaskSelfAttention, RotaryEmbedding
 from flashmask.reference import reference_attention
 from masks.format import to_dense, validate
@@ -56,5 +58,6 @@ for _name, _module in list(sys.modules.items()):
 del _name, _module
 
 __version__ = "0.1.0"
-__all__ = ["flashmask_attention", "reference_attention", "FlashMaskAttention", "FlashMaskSelfAttention",
+__all__ = ["flashmask_attention", "reference_attention", "flash_attn_func", "flash_attn_varlen_func",
+           "FlashMaskAttention", "FlashMaskSelfAttention",
            "RotaryEmbedding", "masks", "to_dense", "validate", "cuda"]

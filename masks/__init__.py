@@ -34,7 +34,7 @@ from .document import document_mask_mod
 from .format import Intervals, check_columns, check_tensor, to_dense, unpack, validate
 from .full import full_mask_mod
 from .global_sliding_window import global_sliding_window_mask_mod
-from .packed import document_starts, from_cu_seqlens, from_position_ids
+from .packed import document_starts, from_cu_seqlens, from_cu_seqlens_qk, from_position_ids
 from .plot import plot_mask, visible_fraction
 from .prefix_lm_causal import prefix_lm_causal_mask_mod
 from .prefix_lm_document import prefix_lm_document_mask_mod
@@ -65,7 +65,8 @@ random_eviction = random_eviction.random_eviction
 
 __all__ = [
     "FAMILIES", "Intervals", "check_columns", "check_tensor", "unpack", "to_dense", "validate", "from_dense",
-    "window_to_startend", "merge_window", "merge_chunks", "from_cu_seqlens", "from_position_ids", "document_starts",
+    "window_to_startend", "merge_window", "merge_chunks", "from_cu_seqlens", "from_cu_seqlens_qk",
+    "from_position_ids", "document_starts",
     "plot_mask", "visible_fraction", "eviction_rows",
     *FAMILIES, *(f"{n}_mask_mod" for n in FAMILIES),
 ]

@@ -46,6 +46,55 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, causal: bool = True, seqlen: Optio
     return from_starts(cu_seqlens_starts(cu, 1, s), causal, validate=validate)
 
 
+def from_cu_seqlens_qk(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool = True,
+                       window_size=None, device=None, *, validate: bool = True) -> torch.Tensor:
+    """int32 ``[1, 1, Sk, 2]`` for packed queries and keys with documents of their own lengths, as
+    flash-attn varlen takes them: document ``i`` is query rows ``[cu_q[i], cu_q[i+1])`` against keys
+    ``[cu_k[i], cu_k[i+1])``; ``Sq = cu_q[-1]``, ``Sk = cu_k[-1]``.
+
+    Within a document of ``lq`` queries and ``lk`` keys, query ``r`` sees key ``o`` (both counted from
+    the document's start) iff ``r + lk - lq - left <= o <= r + lk - lq + right`` (flash-attn's
+    ``window_size=(left, right)``, ``-1`` unbounded), each document's window and causal triangle
+    aligned bottom-right; ``causal`` sets ``right = 0``. The result is the non-causal (LTS, UTE) form:
+    pass it with ``causal=False``. With equal query and key documents, :func:`from_cu_seqlens`
+    (and :func:`masks.merge_window`) give the same mask in the compact causal form.
+
+    Example: two documents of 2 queries against 3 and 1 keys, causal::
+
+        >>> from_cu_seqlens_qk(torch.tensor([0, 2, 4]), torch.tensor([0, 3, 4]))[0, 0].tolist()
+        [[2, 0], [2, 0], [2, 1], [4, 3]]
+    """
+    from .convert import _window
+
+    vq = check_cu_seqlens(cu_seqlens_q, name="cu_seqlens_q")
+    vk = check_cu_seqlens(cu_seqlens_k, name="cu_seqlens_k")
+    if len(vq) != len(vk):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same documents, got {len(vq) - 1} and "
+                         f"{len(vk) - 1}")
+    if vq[-1] < 1 or vk[-1] < 1:
+        raise ValueError(f"need at least one query and one key, got cu_seqlens_q[-1]={vq[-1]}, "
+                         f"cu_seqlens_k[-1]={vk[-1]}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    left, right = (-1, -1) if window_size is None else _window(window_size)
+    if causal:
+        right = 0
+    if device is None:
+        device = torch.as_tensor(cu_seqlens_k).device
+    cq = torch.tensor(vq, dtype=torch.long, device=device)
+    ck = torch.tensor(vk, dtype=torch.long, device=device)
+    j = torch.arange(vk[-1], device=device)
+    doc = torch.searchsorted(ck[1:], j, right=True)  # key j's document (empty documents skipped)
+    lq = cq[doc + 1] - cq[doc]
+    diag = j - ck[doc] - (ck[doc + 1] - ck[doc] - lq)  # the row offset where key j is on the diagonal
+    first = (diag - right) if right >= 0 else torch.zeros_like(diag)
+    stop = (diag + left + 1) if left >= 0 else lq
+    zero = torch.zeros_like(lq)
+    ute = cq[doc] + torch.minimum(torch.maximum(first, zero), lq)
+    lts = cq[doc] + torch.minimum(torch.maximum(stop, zero), lq)
+    return finish([lts[None], ute[None]], False, vq[-1], validate)
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: Optional[int] = None, name: str = "cu_seqlens") -> List[int]:
     """Raise ``ValueError`` unless ``cu_seqlens`` is a 1-D integer tensor that starts at 0, never
     decreases (a repeat is an empty document) and, when ``total`` is given, ends exactly at

@@ -49,6 +49,7 @@ def _unsupported(dropout_p, alibi_slopes, block_table=None) -> None:
         raise NotImplementedError("block_table: flashmask has no paged KV cache; pass None")
 
 
+@torch.compiler.disable  # the build reads cu_seqlens on the host: one graph break, not a trace of it
 def _kept(key: tuple, build):
     """The cached value of ``key``, else ``build()`` kept under it (least recently used goes first)."""
     if key in _cache:
@@ -116,24 +117,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     window = _window(window_size)
-    cu_q, cu_k = (torch.as_tensor(c) for c in (cu_seqlens_q, cu_seqlens_k))
-    key = ("varlen", cu_q.data_ptr(), cu_q._version, cu_q.device, cu_k.data_ptr(), cu_k._version, cu_k.device,
-           causal, window, q.device)
-
-    def build():
-        lq = masks.packed.check_cu_seqlens(cu_q, q.shape[0], "cu_seqlens_q")
-        lk = masks.packed.check_cu_seqlens(cu_k, k.shape[0], "cu_seqlens_k")
-        longest = (max(b - a for a, b in zip(lq, lq[1:])), max(b - a for a, b in zip(lk, lk[1:])))
-        if lq == lk:  # the compact causal form, which the kernels run fastest
-            mask = masks.from_cu_seqlens(cu_q, causal, device=q.device)
-            if window != (-1, -1):
-                mask = masks.merge_window(mask, causal, window, q.shape[0])
-        else:
-            mask = masks.from_cu_seqlens_qk(cu_q, cu_k, causal, window, device=q.device)
-        # The tensors themselves, so that their memory is not reused while the key names it.
-        return mask, lq != lk, longest, cu_q, cu_k
-
-    mask, own_rows, longest, _, _ = _kept(key, build)
+    mask, own_rows, longest = _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window, q.shape[0], k.shape[0],
+                                           q.device)
     for name, given, need in (("max_seqlen_q", max_seqlen_q, longest[0]), ("max_seqlen_k", max_seqlen_k, longest[1])):
         if not is_int(given) or given < need:
             raise ValueError(f"{name} must be an int >= the longest document ({need} tokens), got {given!r}")
@@ -141,3 +126,26 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                    softmax_scale=softmax_scale, return_lse=True, deterministic=deterministic,
                                    backend=backend, softcap=softcap)
     return _results(out[0], lse[0], return_attn_probs)
+
+
+@torch.compiler.disable
+def _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal: bool, window: tuple, total_q: int, total_k: int, device):
+    """(mask, whether it is the non-causal form, (longest query, longest key document)), kept per key."""
+    cu_q, cu_k = (torch.as_tensor(c) for c in (cu_seqlens_q, cu_seqlens_k))
+    key = ("varlen", cu_q.data_ptr(), cu_q._version, cu_q.device, cu_k.data_ptr(), cu_k._version, cu_k.device,
+           causal, window, total_q, total_k, device)
+
+    def build():
+        lq = masks.packed.check_cu_seqlens(cu_q, total_q, "cu_seqlens_q")
+        lk = masks.packed.check_cu_seqlens(cu_k, total_k, "cu_seqlens_k")
+        longest = (max(b - a for a, b in zip(lq, lq[1:])), max(b - a for a, b in zip(lk, lk[1:])))
+        if lq == lk:  # the compact causal form, which the kernels run fastest
+            mask = masks.from_cu_seqlens(cu_q, causal, device=device)
+            if window != (-1, -1):
+                mask = masks.merge_window(mask, causal, window, total_q)
+        else:
+            mask = masks.from_cu_seqlens_qk(cu_q, cu_k, causal, window, device=device)
+        # The tensors themselves, so that their memory is not reused while the key names it.
+        return mask, lq != lk, longest, cu_q, cu_k
+
+    return _kept(key, build)[:3]

@@ -188,3 +188,12 @@ def test_module_example_and_exports():
     res = doctest.testmod(fa, optionflags=doctest.ELLIPSIS)
     assert res.attempted > 0 and res.failed == 0
     assert flashmask.flash_attn_varlen_func is flash_attn_varlen_func and flashmask.flash_attn_func is flash_attn_func
+
+
+def test_under_torch_compile():
+    """The mask's build stays out of the graph (one graph break); the attention traces as usual."""
+    q, k, v, cu_q, cu_k = packed([3, 4], [5, 4])
+    compiled = torch.compile(lambda a, b, c: flash_attn_varlen_func(a, b, c, cu_q, cu_k, 4, 5, causal=True),
+                             backend="aot_eager")
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v), flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True))

@@ -24,7 +24,7 @@ struct AttnParams {
     // softcap. Without it softcap_scale is 0 and score_scale == softmax_scale. The backward scales dQ
     // and dK by softmax_scale in either case.
     float softcap_scale, score_scale;
-    // Soft-capped bf16: the rows' max held fixed at this score (common/softcap.h); negative: tracked.
+    // Soft-capped bf16: the rows' max held fixed at this score (common/softcap_max.h); negative: tracked.
     float softcap_max;
     // Attention sinks: float32 [Hq], one logit per query head in every row's softmax denominator
     // (in the units of score_scale), or nullptr. Only the forward reads them: the backward's P comes

@@ -45,7 +45,6 @@ import sys
 import masks
 from flashmask import _cuda as cuda
 from flashmask.attention import flashmask_attention
-from flashmask.flash_attn import flash_attn_func, flash_attn_varlen_func
 from flashmask.modules import FlashMaskAttention, FlashMaskSelfAttention, RotaryEmbedding
 from flashmask.reference import reference_attention
 from masks.format import to_dense, validate
@@ -56,6 +55,17 @@ for _name, _module in list(sys.modules.items()):
     if _name == "masks" or _name.startswith("masks."):
         sys.modules.setdefault(f"{__name__}.{_name}", _module)
 del _name, _module
+
+
+def __getattr__(name: str):
+    # flash-attn's functions on first use: their module imports torch._dynamo (torch.compiler.disable),
+    # which ``import flashmask`` leaves out.
+    if name in ("flash_attn_func", "flash_attn_varlen_func"):
+        from flashmask import flash_attn
+
+        return getattr(flash_attn, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = ["flashmask_attention", "reference_attention", "flash_attn_func", "flash_attn_varlen_func",

@@ -11,7 +11,8 @@ step, and their backward, reuse it and the kernels' metadata of it; an in-place 
 Not supported: attention dropout (``dropout_p`` must be 0), ALiBi (``alibi_slopes``) and a paged KV
 cache (``block_table``); each raises. ``return_attn_probs=True`` returns ``(out, lse, None)``: the
 attention probabilities themselves are never formed. flashmask adds the keyword ``backend``
-(:func:`flashmask.flashmask_attention`).
+(:func:`flashmask.flashmask_attention`). This module imports ``torch._dynamo`` (the mask's build
+stays out of a ``torch.compile`` graph), so ``import flashmask`` loads it only on first use.
 
 Example::
 

@@ -139,8 +139,11 @@ def _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal: bool, window: tuple, total_
     def build():
         lq = masks.packed.check_cu_seqlens(cu_q, total_q, "cu_seqlens_q")
         lk = masks.packed.check_cu_seqlens(cu_k, total_k, "cu_seqlens_k")
-        longest = (max(b - a for a, b in zip(lq, lq[1:])), max(b - a for a, b in zip(lk, lk[1:])))
-        if lq == lk:  # the compact causal form, which the kernels run fastest
+        longest = (max((b - a for a, b in zip(lq, lq[1:])), default=0),
+                   max((b - a for a, b in zip(lk, lk[1:])), default=0))
+        if total_q == 0 or total_k == 0:  # nothing to mask: no query, or no key for any (output 0)
+            mask = None
+        elif lq == lk:  # the compact causal form, which the kernels run fastest
             mask = masks.from_cu_seqlens(cu_q, causal, device=device)
             if window != (-1, -1):
                 mask = masks.merge_window(mask, causal, window, total_q)

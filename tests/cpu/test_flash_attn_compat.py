@@ -197,3 +197,12 @@ def test_under_torch_compile():
                              backend="aot_eager")
     for _ in range(2):
         torch.testing.assert_close(compiled(q, k, v), flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True))
+
+
+def test_no_queries_or_no_keys():
+    """As flash-attn: an empty result, or zeros where no document has a key."""
+    q, k, v, cu_q, cu_k = packed([3, 4], [5, 4])
+    out = flash_attn_varlen_func(q, k[:0], v[:0], cu_q, torch.tensor([0, 0, 0]), 4, 0, causal=True)
+    assert out.shape == (7, 4, 8) and not out.any()
+    out = flash_attn_varlen_func(q[:0], k, v, torch.tensor([0, 0, 0]), cu_k, 0, 5)
+    assert out.shape == (0, 4, 8)

@@ -35,8 +35,8 @@ from flashmask.attention import flashmask_attention
 from masks._spec import is_int
 from masks.convert import _window
 
-# Masks kept for the most recent cu_seqlens pairs and window shapes (one per layer type of a model,
-# for a step or two).
+# Masks kept for the most recent cu_seqlens pairs and windows (one per layer type of a model, for a
+# step or two).
 CACHE_SIZE = 8
 _cache: "OrderedDict[tuple, object]" = OrderedDict()
 
@@ -50,7 +50,6 @@ def _unsupported(dropout_p, alibi_slopes, block_table=None) -> None:
         raise NotImplementedError("block_table: flashmask has no paged KV cache; pass None")
 
 
-@torch.compiler.disable  # the build reads cu_seqlens on the host: one graph break, not a trace of it
 def _kept(key: tuple, build):
     """The cached value of ``key``, else ``build()`` kept under it (least recently used goes first)."""
     if key in _cache:
@@ -79,15 +78,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     than 0 and for ``alibi_slopes``. ``backend`` as in :func:`flashmask.flashmask_attention`.
     """
     _unsupported(dropout_p, alibi_slopes)
-    left, right = _window(window_size)
-    mask = None
-    if (left, right) != (-1, -1) and (left >= 0 or not causal):
-        if q.dim() != 4 or k.dim() != 4:
-            raise ValueError(f"q and k must be [B, S, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
-        key = ("window", q.shape[0], q.shape[1], k.shape[1], left, right, causal, q.device)
-        mask = _kept(key, lambda: masks.window_to_startend((left, right), q.shape[1], k.shape[1], causal,
-                                                          batch_size=q.shape[0], device=q.device))
-    out, lse = flashmask_attention(q, k, v, mask, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+    window = _window(window_size)
+    out, lse = flashmask_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   window_size=None if window == (-1, -1) else window, return_lse=True,
                                    deterministic=deterministic, backend=backend, softcap=softcap)
     return _results(out, lse, return_attn_probs)
 
@@ -129,7 +122,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return _results(out[0], lse[0], return_attn_probs)
 
 
-@torch.compiler.disable
+@torch.compiler.disable  # the build reads cu_seqlens on the host: one graph break, not a trace of it
 def _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal: bool, window: tuple, total_q: int, total_k: int, device):
     """(mask, whether it is the non-causal form, (longest query, longest key document)), kept per key."""
     cu_q, cu_k = (torch.as_tensor(c) for c in (cu_seqlens_q, cu_seqlens_k))

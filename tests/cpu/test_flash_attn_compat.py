@@ -206,3 +206,18 @@ def test_no_queries_or_no_keys():
     assert out.shape == (7, 4, 8) and not out.any()
     out = flash_attn_varlen_func(q[:0], k, v, torch.tensor([0, 0, 0]), cu_k, 0, 5)
     assert out.shape == (0, 4, 8)
+
+
+def test_from_cu_seqlens_qk_errors_name_the_argument():
+    cu = torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="same documents, got 2 and 1"):
+        masks.from_cu_seqlens_qk(cu, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"at least one query and one key, got cu_seqlens_q\[-1\]=4, "
+                                         r"cu_seqlens_k\[-1\]=0"):
+        masks.from_cu_seqlens_qk(cu, torch.tensor([0, 0, 0]))
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        masks.from_cu_seqlens_qk(cu, torch.tensor([0, 3, 1]))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        masks.from_cu_seqlens_qk(cu, cu, causal=1)
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        masks.from_cu_seqlens_qk(cu, cu, window_size=(1,))

@@ -7,8 +7,9 @@ from typing import Optional, Tuple, Union
 import torch
 
 from flashmask import _checks, _cuda
+from flashmask._memo import Recent, tensor_key
 from flashmask.reference import reference_attention
-from masks.convert import merge_window, window_to_startend
+from masks.convert import _window, merge_window, window_to_startend
 
 BACKENDS = ("auto", "cuda", "sm80", "sm90", "reference")
 
@@ -37,7 +38,8 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             how ``C`` is read: causal ``C`` in {1, 2}, non-causal ``C`` in {2, 4}.
         softmax_scale: a finite float > 0; defaults to ``1 / sqrt(Dqk)``.
         window_size: ``(left, right)`` local window as in flash-attn (``-1`` = unbounded), merged into
-            the mask where the result is expressible in the column-interval format.
+            the mask where the result is expressible in the column-interval format. The merged mask
+            is kept for the next calls with the same mask tensor (unchanged) and window.
         return_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, float64 for float64 inputs;
             ``+inf`` on rows that no key may attend, whose output is 0; with ``sinks`` it includes the
             sink, and such rows get ``sinks[h]``).
@@ -88,12 +90,7 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     softcap = _checks.softcap_value(softcap)
     _checks.check_sinks(sinks, q)
     if window_size is not None:
-        if startend_row_indices is None:
-            # One row per sample: the kernels index the mask by batch (no broadcasting).
-            startend_row_indices = window_to_startend(tuple(window_size), q.shape[1], k.shape[1], causal,
-                                                      batch_size=q.shape[0], device=q.device)
-        else:
-            startend_row_indices = merge_window(startend_row_indices, causal, tuple(window_size), q.shape[1])
+        startend_row_indices = windowed_mask(startend_row_indices, _window(window_size), causal, q, k)
     scale = _checks.softmax_scale_value(softmax_scale, q.shape[-1])
 
     arch = kernel_arch(q, k, v, backend)
@@ -113,6 +110,31 @@ def flashmask_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         extra = {} if not softcap and sinks is None else {"softcap": softcap, "sinks": sinks}
         out, lse = reference_attention(q, k, v, startend_row_indices, causal=causal, softmax_scale=scale, **extra)
     return (out, lse) if return_lse else out
+
+
+# Windowed masks of the most recent calls: every layer with the same window and mask then passes
+# the kernels one tensor, whose metadata they compute once.
+_windowed = Recent(8)
+
+
+def windowed_mask(startend_row_indices: Optional[torch.Tensor], window: tuple, causal: bool, q: torch.Tensor,
+                  k: torch.Tensor) -> torch.Tensor:
+    """The mask intersected with the flash-attn window (the window alone for no mask), built once per
+    mask contents, window and shapes while the result stays among the recent ones."""
+    def build():
+        if startend_row_indices is None:
+            # One row per sample: the kernels index the mask by batch (no broadcasting).
+            return window_to_startend(window, q.shape[1], k.shape[1], causal, batch_size=q.shape[0],
+                                      device=q.device), None
+        # The mask itself is kept too, so that its memory is not reused while the key names it.
+        return merge_window(startend_row_indices, causal, window, q.shape[1]), startend_row_indices
+
+    if torch.compiler.is_compiling():  # traced: the graph builds it
+        return build()[0]
+    name = "none" if startend_row_indices is None else tensor_key(startend_row_indices)
+    if name is None:
+        return build()[0]
+    return _windowed.get((name, window, causal, q.shape[0], q.shape[1], k.shape[1], q.device), build)[0]
 
 
 # At most this many folded query rows (Sq x the GQA group): one query tile of the kernels.

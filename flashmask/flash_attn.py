@@ -25,20 +25,19 @@ Example::
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
 
 import masks
+from flashmask._memo import Recent, tensor_key
 from flashmask.attention import flashmask_attention
 from masks._spec import is_int
 from masks.convert import _window
 
 # Masks kept for the most recent cu_seqlens pairs and windows (one per layer type of a model, for a
 # step or two).
-CACHE_SIZE = 8
-_cache: "OrderedDict[tuple, object]" = OrderedDict()
+_masks = Recent(8)
 
 
 def _unsupported(dropout_p, alibi_slopes, block_table=None) -> None:
@@ -48,18 +47,6 @@ def _unsupported(dropout_p, alibi_slopes, block_table=None) -> None:
         raise NotImplementedError("alibi_slopes: flashmask does not add ALiBi biases; pass None")
     if block_table is not None:
         raise NotImplementedError("block_table: flashmask has no paged KV cache; pass None")
-
-
-def _kept(key: tuple, build):
-    """The cached value of ``key``, else ``build()`` kept under it (least recently used goes first)."""
-    if key in _cache:
-        _cache.move_to_end(key)
-        return _cache[key]
-    value = build()
-    _cache[key] = value
-    while len(_cache) > CACHE_SIZE:
-        _cache.popitem(last=False)
-    return value
 
 
 def _results(out, lse, return_attn_probs: bool):
@@ -126,23 +113,26 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 def _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal: bool, window: tuple, total_q: int, total_k: int, device):
     """(mask, whether it is the non-causal form, (longest query, longest key document)), kept per key."""
     cu_q, cu_k = (torch.as_tensor(c) for c in (cu_seqlens_q, cu_seqlens_k))
-    key = ("varlen", cu_q.data_ptr(), cu_q._version, cu_q.device, cu_k.data_ptr(), cu_k._version, cu_k.device,
-           causal, window, total_q, total_k, device)
+    names = tensor_key(cu_q), tensor_key(cu_k)
 
     def build():
         lq = masks.packed.check_cu_seqlens(cu_q, total_q, "cu_seqlens_q")
         lk = masks.packed.check_cu_seqlens(cu_k, total_k, "cu_seqlens_k")
         longest = (max((b - a for a, b in zip(lq, lq[1:])), default=0),
                    max((b - a for a, b in zip(lk, lk[1:])), default=0))
+        # The builders take the values read above (host tensors), not cu_seqlens again (a sync each).
+        host_q, host_k = torch.tensor(lq), torch.tensor(lk)
         if total_q == 0 or total_k == 0:  # nothing to mask: no query, or no key for any (output 0)
             mask = None
         elif lq == lk:  # the compact causal form, which the kernels run fastest
-            mask = masks.from_cu_seqlens(cu_q, causal, device=device)
+            mask = masks.from_cu_seqlens(host_q, causal, device=device)
             if window != (-1, -1):
                 mask = masks.merge_window(mask, causal, window, total_q)
         else:
-            mask = masks.from_cu_seqlens_qk(cu_q, cu_k, causal, window, device=device)
+            mask = masks.from_cu_seqlens_qk(host_q, host_k, causal, window, device=device)
         # The tensors themselves, so that their memory is not reused while the key names it.
         return mask, lq != lk, longest, cu_q, cu_k
 
-    return _kept(key, build)[:3]
+    if None in names:  # inference tensors: no version counter to tell a change by
+        return build()[:3]
+    return _masks.get(("varlen", *names, causal, window, total_q, total_k, device), build)[:3]

@@ -16,6 +16,11 @@ from flashmask import flash_attn as fa
 from flashmask.flash_attn import flash_attn_func, flash_attn_varlen_func
 
 
+def kept_mask():
+    """The mask of the latest varlen call."""
+    return next(reversed(fa._masks._values.values()))[0]
+
+
 def allowed(lq, lk, causal, window):
     """bool [lq, lk]: flash-attn's rule, query r sees key o iff r + lk - lq - left <= o <= r + lk - lq + right."""
     left, right = window
@@ -94,7 +99,7 @@ def test_varlen_gradients_and_options(lens):
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, atol=1e-9, rtol=1e-7)
     capped = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True, softcap=2.0)
-    direct = flashmask.flashmask_attention(q[None], k[None], v[None], fa._cache[next(reversed(fa._cache))][0],
+    direct = flashmask.flashmask_attention(q[None], k[None], v[None], kept_mask(),
                                            causal=lens[0] == lens[1], softcap=2.0)[0]
     torch.testing.assert_close(capped, direct)
 
@@ -133,9 +138,9 @@ def test_from_cu_seqlens_qk_is_the_rule_document_by_document(docs, causal, left,
 
 def test_equal_documents_take_the_compact_causal_form():
     q, k, v, cu_q, cu_k = packed([4, 4], [4, 4])
-    fa._cache.clear()
+    fa._masks.clear()
     flash_attn_varlen_func(q, k, v, cu_q, cu_k.clone(), 4, 4, causal=True)
-    mask = fa._cache[next(reversed(fa._cache))][0]
+    mask = kept_mask()
     assert torch.equal(mask, masks.from_cu_seqlens(cu_q, True))
 
 
@@ -144,16 +149,16 @@ def test_the_mask_is_built_once_per_cu_seqlens_and_again_after_an_in_place_chang
     build = masks.from_cu_seqlens_qk
     monkeypatch.setattr(masks, "from_cu_seqlens_qk", lambda *a, **kw: calls.append(1) or build(*a, **kw))
     q, k, v, cu_q, cu_k = packed([3, 4], [5, 4])
-    fa._cache.clear()
+    fa._masks.clear()
     first = [flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True) for _ in range(3)]
     assert len(calls) == 1 and all(torch.equal(first[0], o) for o in first)
     cu_q[1] = 2  # documents of 2 and 5 queries now
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
     assert len(calls) == 2
     torch.testing.assert_close(out.double(), oracle(q, k, v, cu_q, cu_k, True, (-1, -1))[0], atol=1e-5, rtol=1e-5)
-    for i in range(fa.CACHE_SIZE + 2):  # a bounded cache: the oldest entries go
+    for i in range(fa._masks.size + 2):  # a bounded cache: the oldest entries go
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, window_size=(i, 0))
-    assert len(fa._cache) == fa.CACHE_SIZE
+    assert len(fa._masks) == fa._masks.size
 
 
 def test_errors_name_the_argument():

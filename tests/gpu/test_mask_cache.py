@@ -132,6 +132,22 @@ def test_layers_and_backward_reuse_the_metadata():
         assert torch.equal(g2, g3)
 
 
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_windowed_layers_reuse_the_metadata(with_mask):
+    # window_size builds the windowed mask once per mask and window (flashmask/attention.py), so the
+    # layers of a step, with or without a mask of their own, pass the kernels one tensor.
+    flashmask.attention._windowed.clear()
+    mask = masks.causal_document(S, DOCS, batch_size=B, device="cuda") if with_mask else None
+    layers = [qkv() for _ in range(3)]
+    outs = [flashmask.flashmask_attention(*x, mask, causal=True, window_size=(200, 0), return_lse=True,
+                                          backend="cuda") for x in layers]
+    assert _cuda.mask_cache_stats() == (2, 1)
+    windowed = masks.merge_window(mask, True, (200, 0), S) if with_mask else \
+        masks.window_to_startend((200, 0), S, S, True, batch_size=B, device="cuda")
+    for (out, lse), (q, k, v) in zip(outs, layers):
+        assert_close_to_reference(out, lse, q, k, v, windowed, True)
+
+
 @pytest.mark.parametrize("change", ["copy_", "setitem", "earlier_view"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("direction", ["mask_out", "unmask"])

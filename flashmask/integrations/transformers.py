@@ -99,6 +99,7 @@ if _version.parse(transformers.__version__).release < (4, 53):
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 
+from flashmask._memo import Recent, tensor_key
 from flashmask.attention import flashmask_attention
 from masks.convert import merge_chunks
 from masks.format import check_tensor as check_mask_tensor
@@ -323,28 +324,7 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         raise ValueError(f"expected query/key/value [B, H, S, D], got {tuple(query.shape)} and {tuple(key.shape)}")
     bsz, _, sq, _ = query.shape
     sk = key.shape[2]
-
-    # A 4-D mask is the whole truth (as in transformers): position_ids then only drive RoPE.
-    dense_4d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-    starts = None
-    if _is_segments(attention_mask):
-        starts, attention_mask = _split_segments(attention_mask, bsz, sk, query.device)
-    chunk = _chunk_size(module)
-    chunked = chunk is not None and chunk < sk
-    explicit = kwargs.get(MASK_KWARG) is not None
-    if chunked and not explicit and starts is None:
-        raise _unsupported(f"chunked attention (attention_chunk_size={chunk}) without the model's mask "
-                           "(this backend reads the chunks from it)")
-    startend = _resolve_mask(kwargs, causal, bsz, sq, sk, query.device, use_position_ids=not dense_4d,
-                             segment_starts=starts)
-    if chunked and explicit:
-        # A document mask gives each token's position in its document, from which the chunks are
-        # counted (any transformers). Other layouts (DPO's shared prompt) have no chunk form.
-        _check_once(_checked_chunk_mask, kwargs[MASK_KWARG], (bool(causal), chunk),
-                    lambda: _check_document_mask(startend, causal, chunk))
-        startend = merge_chunks(startend, chunk, sk, _document_positions(startend[:, 0, :, 0]))
-    if attention_mask is not None:
-        startend = _apply_attention_mask(startend, attention_mask, causal, bsz, sq, sk, query.device)
+    startend = _layer_mask(kwargs, attention_mask, _chunk_size(module), causal, bsz, sq, sk, query.device)
 
     window = None
     sliding_window = _sliding_window(kwargs, causal, sk)
@@ -358,6 +338,60 @@ def flashmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     out = flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), startend,
                               causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap, sinks=sinks)
     return out, None
+
+
+# The layers' masks of the most recent batches, by what they were built from: each layer of a forward
+# then passes the kernels the same tensor, whose metadata they compute once (and its windowed form
+# once per window).
+_layer_masks = Recent(4)
+_MASK_INPUTS = (MASK_KWARG, "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
+
+
+def _layer_mask(kwargs: dict, attention_mask, chunk: Optional[int], causal: bool, bsz: int, sq: int, sk: int,
+                device) -> Optional[torch.Tensor]:
+    """The FlashMask tensor of a layer (None for plain causal/full), the same tensor for every layer
+    given the same inputs while they stay unchanged (an in-place change builds it again)."""
+    inputs = [kwargs.get(name) for name in _MASK_INPUTS] + [attention_mask]
+
+    def build():
+        startend = _build_layer_mask(kwargs, attention_mask, chunk, causal, bsz, sq, sk, device)
+        # Weak references: a dense 4-D mask is O(S^2), not to be kept alive past its batch.
+        return startend, [None if t is None else weakref.ref(t) for t in inputs]
+
+    def same_inputs(value) -> bool:  # a freed input's memory may hold a new tensor of the same key
+        return all((t is None) == (ref is None) and (t is None or ref() is t) for t, ref in zip(inputs, value[1]))
+
+    if torch.compiler.is_compiling() or any(t is not None and not isinstance(t, torch.Tensor) for t in inputs):
+        return build()[0]
+    names = [None if t is None else tensor_key(t) for t in inputs]
+    if any(n is None and t is not None for n, t in zip(names, inputs)):  # inference tensors
+        return build()[0]
+    return _layer_masks.get((*names, chunk, causal, bsz, sq, sk, device), build, same_inputs)[0]
+
+
+def _build_layer_mask(kwargs: dict, attention_mask, chunk: Optional[int], causal: bool, bsz: int, sq: int,
+                      sk: int, device) -> Optional[torch.Tensor]:
+    # A 4-D mask is the whole truth (as in transformers): position_ids then only drive RoPE.
+    dense_4d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+    starts = None
+    if _is_segments(attention_mask):
+        starts, attention_mask = _split_segments(attention_mask, bsz, sk, device)
+    chunked = chunk is not None and chunk < sk
+    explicit = kwargs.get(MASK_KWARG) is not None
+    if chunked and not explicit and starts is None:
+        raise _unsupported(f"chunked attention (attention_chunk_size={chunk}) without the model's mask "
+                           "(this backend reads the chunks from it)")
+    startend = _resolve_mask(kwargs, causal, bsz, sq, sk, device, use_position_ids=not dense_4d,
+                             segment_starts=starts)
+    if chunked and explicit:
+        # A document mask gives each token's position in its document, from which the chunks are
+        # counted (any transformers). Other layouts (DPO's shared prompt) have no chunk form.
+        _check_once(_checked_chunk_mask, kwargs[MASK_KWARG], (bool(causal), chunk),
+                    lambda: _check_document_mask(startend, causal, chunk))
+        startend = merge_chunks(startend, chunk, sk, _document_positions(startend[:, 0, :, 0]))
+    if attention_mask is not None:
+        startend = _apply_attention_mask(startend, attention_mask, causal, bsz, sq, sk, device)
+    return startend
 
 
 def _sliding_window(kwargs: dict, causal: bool, sk: int, unsupported=None) -> Optional[int]:
@@ -402,8 +436,10 @@ def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, 
     """
     if torch.compiler.is_compiling():
         return
-    for ref, pos_ref, w, ok in _window_check_cache:
-        if ref is key_tensor and pos_ref is position_ids and w == window:
+    # The tensors themselves and their contents' keys (an in-place change checks again).
+    names = (tensor_key(key_tensor), tensor_key(position_ids))
+    for ref, pos_ref, seen, w, ok in _window_check_cache:
+        if ref is key_tensor and pos_ref is position_ids and seen == names and w == window:
             if not ok:
                 break
             return
@@ -426,7 +462,7 @@ def _check_window_positions(startend: torch.Tensor, position_ids: torch.Tensor, 
     short = (end - idx) <= window
     ok_cols = constant | (short & nondecreasing[:, None, None])
     ok = bool(ok_cols.all())
-    _window_check_cache[:] = [(key_tensor, position_ids, window, ok)]
+    _window_check_cache[:] = [(key_tensor, position_ids, names, window, ok)]
     if not ok:
         raise (unsupported or _unsupported)(
             f"this {MASK_KWARG} mask with sliding_window={window}: its position_ids jump inside spans of tokens "

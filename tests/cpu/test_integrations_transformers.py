@@ -578,3 +578,71 @@ def test_from_config_sets_the_backend_on_the_config_passed():
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
     assert model.config._attn_implementation == NAME
     assert cfg._attn_implementation == NAME  # the README's warning: copy the config per model
+
+
+# ------------------------------------------------------------------------------------------------ kept masks
+
+def _masks_passed(monkeypatch):
+    """The mask tensors the backend passes flashmask_attention, call by call."""
+    passed, attend = [], fm_hf.flashmask_attention
+    monkeypatch.setattr(fm_hf, "flashmask_attention", lambda q, k, v, m=None, **kw: passed.append(m) or
+                        attend(q, k, v, m, **kw))
+    return passed
+
+
+@pytest.mark.parametrize("source", ["startend", "position_ids", "cu_seq_lens"])
+def test_every_layer_gets_the_same_mask_tensor(monkeypatch, source):
+    """One tensor for all layers of a forward (the kernels then compute its metadata once), and still
+    each document's result."""
+    model = model_for("llama")
+    docs = random_docs(11, n=4)
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0).to(torch.int32)
+    inputs = dict(input_ids=ids, position_ids=pos, use_cache=False)
+    if source == "startend":
+        inputs[MASK_KEY] = fm_hf.from_starts(fm_hf.document_starts(pos), True)
+    elif source == "cu_seq_lens":
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=ids.shape[1], max_length_k=ids.shape[1])
+    passed = _masks_passed(monkeypatch)
+    with torch.no_grad():
+        got = model(**inputs).logits
+    assert len(passed) == 2 and passed[1] is passed[0]
+    torch.testing.assert_close(got[0], torch.cat(separate_logits(model, docs)), atol=2e-5, rtol=1e-4)
+
+
+def test_layer_mask_is_built_again_after_an_in_place_change(monkeypatch):
+    """The same position_ids tensor with new documents written into it gives the new mask."""
+    import masks
+    from flashmask import reference_attention
+
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 10, 8), torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
+    m = torch.nn.Module()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    passed = _masks_passed(monkeypatch)
+    for lens in ([6, 4], [3, 7]):
+        pos.copy_(torch.cat([torch.arange(n) for n in lens])[None])
+        outs = [fm_hf.flashmask_attention_forward(m, q, k, v, None, position_ids=pos)[0] for _ in range(2)]
+        assert passed[-1] is passed[-2]
+        want = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   masks.causal_document(10, lens), causal=True)[0]
+        for out in outs:
+            torch.testing.assert_close(out, want)
+    assert passed[0] is not passed[-1]
+
+
+def test_a_dense_mask_is_not_kept_alive():
+    """Layer masks are found again by their inputs, held weakly: a 4-D mask is O(S^2)."""
+    import gc
+    import weakref
+
+    model = model_for("llama")
+    ids = torch.randint(1, VOCAB, (1, 10))
+    dense = torch.ones(1, 1, 10, 10, dtype=torch.bool).tril()
+    alive = weakref.ref(dense)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=dense, use_cache=False)
+    del dense
+    gc.collect()
+    assert alive() is None

@@ -61,14 +61,18 @@ def test_packed_batch_bf16_matches_documents_alone(kind, monkeypatch):
     m16, m32 = models(kind)
     docs = docs_for(1, 10, 30, 700)
     b = PackedSFTCollator(2048, padding="max_length")([{"input_ids": d} for d in docs])
+    if flashmask.cuda.available():
+        flashmask.cuda.clear_mask_cache()
     with torch.no_grad():
         got = m16(**model_inputs(b, "cuda"), use_cache=False).logits
+    stats = flashmask.cuda.mask_cache_stats()
     want = alone(m32, docs, "sdpa")
     base = alone(m16, docs, "sdpa")
     set_impl(m16, NAME)
     check_packed_rows(got, docs, want, base)
     if flashmask.cuda.available():
         assert spy.calls == 2  # the kernels ran, once per layer
+        assert stats == (1, 1)  # both layers pass one mask tensor: its metadata is computed once
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

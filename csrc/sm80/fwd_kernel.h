@@ -138,6 +138,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     constexpr int kRowsPerThread = decltype(size<0>(rowcol_layout(acc_o.layout())))::value;
     OnlineSoftmax<kRowsPerThread> softmax;
+    // Soft-capped bf16 scores may run at a fixed max (AttnParams::softcap_max): no block max, no
+    // shuffles and no rescale of O.
+    constexpr bool kFixedMax = kSoftcap && std::is_same_v<Element, cutlass::bfloat16_t>;
+    const bool fixed_max = kFixedMax && p.softcap_max >= 0.f;
+    if (fixed_max) softmax.fix_max(p.softcap_max);
 
     TileCompare compare = walk.compare(n_block, bnd);
     while (n_block >= 0) {
@@ -170,7 +175,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
                                            smem_mask);
         }
         Tensor o_rc = rowcol(acc_o);
-        softmax.update(s_rc, o_rc, p.scale_log2);
+        if (fixed_max) {
+            softmax.exp_at_fixed_max(s_rc, p.scale_log2);
+        } else {
+            softmax.update(s_rc, o_rc, p.scale_log2);
+        }
 
         Tensor rP = convert_to<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_a_layout(rP.layout()));

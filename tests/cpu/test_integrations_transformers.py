@@ -646,3 +646,17 @@ def test_a_dense_mask_is_not_kept_alive():
     del dense
     gc.collect()
     assert alive() is None
+
+
+def test_inference_mode_runs_and_keeps_no_layer_mask():
+    """Inference tensors have no version counter: the layer mask is built on each call instead."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 2, 10, 8), torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
+    m = torch.nn.Module()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    want, _ = fm_hf.flashmask_attention_forward(m, q, k, v, None, position_ids=pos)
+    fm_hf._layer_masks.clear()
+    with torch.inference_mode():
+        got, _ = fm_hf.flashmask_attention_forward(m, q, k, v, None, position_ids=pos.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(fm_hf._layer_masks) == 0

@@ -100,3 +100,23 @@ def test_varlen_views_of_one_memory_are_told_apart():
                                          causal=True)[0]
     torch.testing.assert_close(coarse, want, rtol=0, atol=0)
     assert not torch.allclose(fine, coarse)
+
+
+def test_inference_mode_builds_without_keeping():
+    """Inference tensors have no version counter to key on: the masks are built on each call (a
+    varlen call under torch.inference_mode used to raise reading it)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(7, 2, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    want = flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True, window_size=(2, 0))
+    doc = masks.causal_document(7, [4, 3])
+    want_window = flashmask.flashmask_attention(q[None], k[None], v[None], doc, causal=True, window_size=(2, 0))
+    fa._masks.clear()
+    attention._windowed.clear()
+    with torch.inference_mode():
+        cu_i, doc_i = cu.clone(), doc.clone()
+        got = flash_attn_varlen_func(q, k, v, cu_i, cu_i, 4, 4, causal=True, window_size=(2, 0))
+        got_window = flashmask.flashmask_attention(q[None], k[None], v[None], doc_i, causal=True, window_size=(2, 0))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_window, want_window, rtol=0, atol=0)
+    assert len(fa._masks) == 0 and len(attention._windowed) == 0

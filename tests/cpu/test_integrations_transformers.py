@@ -660,3 +660,20 @@ def test_inference_mode_runs_and_keeps_no_layer_mask():
         got, _ = fm_hf.flashmask_attention_forward(m, q, k, v, None, position_ids=pos.clone())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(fm_hf._layer_masks) == 0
+
+
+def test_window_position_check_follows_in_place_changes():
+    """The check that a window means the same in indices and positions runs again when position_ids
+    change in place: the rejected answer's positions continuing from the prompt fail it."""
+    import masks
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8)
+    m = torch.nn.Module()
+    mask = masks.share_question(12, [6, 3, 3])
+    pos = torch.arange(12)[None]
+    kw = {MASK_KEY: mask, "position_ids": pos, "sliding_window": 4}
+    fm_hf.flashmask_attention_forward(m, q, k, v, None, **kw)  # positions = indices: the check passes
+    pos.copy_(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 6, 7, 8]]))
+    with pytest.raises(NotImplementedError, match="sliding_window=4"):
+        fm_hf.flashmask_attention_forward(m, q, k, v, None, **kw)

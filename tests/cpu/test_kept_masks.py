@@ -3,6 +3,8 @@
 in-place change, never confused between views of one memory, bounded in number."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashmask
 import masks
@@ -120,3 +122,23 @@ def test_inference_mode_builds_without_keeping():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got_window, want_window, rtol=0, atol=0)
     assert len(fa._masks) == 0 and len(attention._windowed) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["same", "new", "write", "view"]), st.integers(1, 11),
+                                st.integers(0, 4)), min_size=1, max_size=8))
+def test_kept_windowed_masks_equal_fresh_ones(steps):
+    """Any sequence of calls with the same mask, a new one, one written in place (directly or through
+    a view) gives what building the windowed mask afresh gives."""
+    attention._windowed.clear()
+    q, k, _ = qkv()
+    mask = masks.causal_document(12, [5, 7])
+    for op, cut, left in steps:
+        if op == "new":
+            mask = masks.causal_document(12, [cut, 12 - cut])
+        elif op == "write":
+            mask[..., :cut, 0] = masks.causal_document(12, [cut, 12 - cut])[..., :cut, 0]
+        elif op == "view":
+            mask = mask[:, :, :, :]  # another tensor on the same memory and version counter
+        got = attention.windowed_mask(mask, (left, 0), True, q, k)
+        assert torch.equal(got, masks.merge_window(mask.clone(), True, (left, 0), 12))

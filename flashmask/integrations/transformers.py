@@ -563,11 +563,8 @@ def _check_once(cache: list, user_tensor: torch.Tensor, args: tuple, check) -> N
     """
     if torch.compiler.is_compiling():
         return
-    try:
-        version = user_tensor._version
-    except RuntimeError:  # inference-mode tensors have no version counter (and cannot change in place)
-        version = None
-    key = (version,) + tuple(args)
+    # None for inference-mode tensors: no version counter (and they cannot change in place).
+    key = (tensor_key(user_tensor),) + tuple(args)
     if cache and cache[0]() is user_tensor and cache[1] == key:
         return
     check()

@@ -4,6 +4,7 @@
 // lanes of a quad, so one implementation serves both, on (rows, cols) views.
 #pragma once
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
@@ -148,11 +149,19 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, moved);
     }
 
-    // A softmax whose rows' max is known before any score (soft-capped scores: common/softcap_max.h):
-    // every row's max set to m once, then exp_at_fixed_max for each block. O needs no rescale.
-    __forceinline__ __device__ void fix_max(float m) {
-        CUTE_UNROLL
-        for (int i = 0; i < kRows; ++i) row_max[i] = m;
+    // A softmax whose rows' max is known before any score: soft-capped bf16 scores where the launch
+    // chose one (AttnParams::softcap_max >= 0, common/softcap_max.h; fp16 P needs the running max).
+    // Sets every row's max to it and says whether it did; then exp_at_fixed_max for each block, with
+    // no block max, no shuffles and no rescale of O.
+    template <bool kSoftcap, typename Element>
+    __forceinline__ __device__ bool fix_max(float softcap_max) {
+        constexpr bool kMay = kSoftcap && std::is_same_v<Element, cutlass::bfloat16_t>;
+        const bool fixed = kMay && softcap_max >= 0.f;
+        if (fixed) {
+            CUTE_UNROLL
+            for (int i = 0; i < kRows; ++i) row_max[i] = softcap_max;
+        }
+        return fixed;
     }
     // exp(s - max) in place, and the row sums.
     template <typename S>

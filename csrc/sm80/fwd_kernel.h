@@ -138,11 +138,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const AttnParams
 
     constexpr int kRowsPerThread = decltype(size<0>(rowcol_layout(acc_o.layout())))::value;
     OnlineSoftmax<kRowsPerThread> softmax;
-    // Soft-capped bf16 scores may run at a fixed max (AttnParams::softcap_max): no block max, no
-    // shuffles and no rescale of O.
-    constexpr bool kFixedMax = kSoftcap && std::is_same_v<Element, cutlass::bfloat16_t>;
-    const bool fixed_max = kFixedMax && p.softcap_max >= 0.f;
-    if (fixed_max) softmax.fix_max(p.softcap_max);
+    const bool fixed_max = softmax.template fix_max<kSoftcap, Element>(p.softcap_max);
 
     TileCompare compare = walk.compare(n_block, bnd);
     while (n_block >= 0) {

@@ -30,9 +30,6 @@ struct FwdMainloop {
     static constexpr int kBlockN = Traits::kBlockN;
     static constexpr bool kSkip = Traits::kGroupSight;  // each warpgroup skips the blocks its rows do not see
     static constexpr bool kStaleMax = Traits::kStaleMax;
-    // Soft-capped bf16 scores may run at a fixed max (AttnParams::softcap_max): no block max and no
-    // rescale of O, where the cap's tanh already keeps the MUFU busy.
-    static constexpr bool kFixedMax = kSoftcap && std::is_same_v<typename Traits::Element, cutlass::bfloat16_t>;
     using Barriers = FwdBarriers<kWarpgroups>;
     using Element = typename Traits::Element;
     using SharedStorage = typename Traits::SharedStorage;
@@ -103,8 +100,9 @@ struct FwdMainloop {
         Tensor tOrV = thr_pv.partition_fragment_B(sVt);
         Tensor cS = rowcol(thr_qk.partition_C(make_identity_tensor(typename Traits::TileS{})));
         clear(acc_o);
-        const bool fixed_max = kFixedMax && p.softcap_max >= 0.f;
-        if (fixed_max) softmax.fix_max(p.softcap_max);
+        // Soft-capped bf16 scores at a fixed max: no block max and no rescale of O, where the cap's
+        // tanh already keeps the MUFU busy.
+        const bool fixed_max = softmax.template fix_max<kSoftcap, Element>(p.softcap_max);
 
         // The first block alone, then each next block's S = Q K^T is issued together with the
         // previous block's O += P V, one batch for the tensor cores. The source waits for that

@@ -14,6 +14,7 @@ the SASS checks for what slows a kernel down without any error:
     python -m tools.compile_check --arch sm80 --kernel bwd_kv --head-dim 128 --target 90a
     python -m tools.compile_check --arch sm90 --source csrc/common/bwd_dsum.cu
     python -m tools.compile_check --sass flashmask/_C*.so
+    python -m tools.compile_check --same-code before.o after.o
 
 An instantiation is generated as a build for ``--archs`` (FLASHMASK_ARCHS, default "80;90") generates
 it and compiled for ``--target`` (default: its family's own arch, 80 or 90a): an SM80 unit
@@ -21,12 +22,16 @@ compiled for 90a shows the sm_90 code that build keeps (empty kernels where csrc
 skips_sm90 leaves it out).
 Compiling needs nvcc, the nvidia-cutlass wheel and a CUDA build of torch; it uses the C++ standard
 torch's extension builder uses, so that code the build would refuse fails here too.
---sass checks an object file or a built extension instead (needs cuobjdump only). Exits 1 when a
+--sass checks an object file or a built extension instead (needs cuobjdump only). --same-code says
+whether two object files (--keep) or extensions hold the same machine code for each kernel, read
+from their embedded cubins (no CUDA tools needed): the check for a change meant to leave the
+kernels as they were, whose line tables (paths, line numbers) differ anyway. Exits 1 when a
 kernel has wgmma serialised or waited singly, traps or (an attention kernel) out-of-line functions,
 or spills with --fail-on-spills.
 """
 import argparse
 import glob
+import hashlib
 import importlib.util
 import os
 import re
@@ -191,6 +196,54 @@ def sass_report(path: str) -> int:
     return 1 if found else 0
 
 
+EM_CUDA = 190  # the e_machine of a cubin
+
+
+def kernel_code(path: str) -> Dict[str, str]:
+    """Digest of each kernel's machine code (a cubin's ``.text.<mangled name>`` section) in the
+    uncompressed cubins embedded in an object file or extension; a name met again (another arch's
+    cubin) is keyed ``name#2`` and so on."""
+    with open(path, "rb") as f:
+        data = f.read()
+    code: Dict[str, str] = {}
+    at = data.find(b"\x7fELF")
+    while at >= 0:
+        elf = memoryview(data)[at:]
+        # ELF64 little-endian header: e_machine at 18, e_shoff at 40, e_shentsize/e_shnum/e_shstrndx at 58
+        if len(elf) >= 64 and elf[4] == 2 and int.from_bytes(elf[18:20], "little") == EM_CUDA:
+            shoff = int.from_bytes(elf[40:48], "little")
+            entsize, count, strndx = (int.from_bytes(elf[58 + 2 * i:60 + 2 * i], "little") for i in range(3))
+            sections = []
+            for i in range(count):
+                h = elf[shoff + i * entsize:shoff + (i + 1) * entsize]
+                sections.append((int.from_bytes(h[0:4], "little"), int.from_bytes(h[24:32], "little"),
+                                 int.from_bytes(h[32:40], "little")))
+            names = sections[strndx][1]
+            for name_at, offset, size in sections:
+                end = bytes(elf[names + name_at:names + name_at + 4096]).split(b"\0", 1)[0].decode()
+                if end.startswith(".text."):
+                    key, n = end[len(".text."):], 2
+                    while key in code:
+                        key, n = f"{end[len('.text.'):]}#{n}", n + 1
+                    code[key] = hashlib.sha256(elf[offset:offset + size]).hexdigest()
+        at = data.find(b"\x7fELF", at + 1)
+    return code
+
+
+def same_code_report(a: str, b: str) -> int:
+    """Lists the kernels whose machine code differs between two files; 0 when every kernel matches."""
+    code_a, code_b = kernel_code(a), kernel_code(b)
+    if not code_a or not code_b:
+        print(f"{a if not code_a else b}: no uncompressed cubin found", file=sys.stderr)
+        return 2
+    differ = sorted(k for k in set(code_a) | set(code_b) if code_a.get(k) != code_b.get(k))
+    for k, name in zip(differ, _demangle([k.split("#")[0] for k in differ])):
+        where = "differs" if k in code_a and k in code_b else f"only in {a if k in code_a else b}"
+        print(f"{where:>10s}  {name[:160]}")
+    print(f"{len(code_a)} / {len(code_b)} kernels, {len(differ)} with other machine code")
+    return 1 if differ else 0
+
+
 def cxx_standard() -> str:
     """The C++ standard torch's extension builder passes nvcc (its headers need it)."""
     import torch.utils.cpp_extension as cpp
@@ -246,8 +299,15 @@ def main() -> int:
                         help="compile this file instead of an instantiation (e.g. csrc/common/bwd_dsum.cu)")
     parser.add_argument("--sass", default=None, metavar="FILE",
                         help="check the SASS of this object file or built extension instead of compiling")
+    parser.add_argument("--same-code", nargs=2, default=None, metavar=("A", "B"),
+                        help="compare the machine code of each kernel in two object files or extensions")
     args = parser.parse_args()
 
+    if args.same_code is not None:
+        for f in args.same_code:
+            if not os.path.isfile(f):
+                parser.error(f"--same-code {f!r}: no such file")
+        return same_code_report(*args.same_code)
     if args.sass is not None:
         if not os.path.isfile(args.sass):
             parser.error(f"--sass {args.sass!r}: no such file")

@@ -205,3 +205,44 @@ def test_sass_of_a_missing_file_is_refused(monkeypatch, capsys, tmp_path):
     else:
         raise AssertionError("a missing file must be refused")
     assert "--sass" in capsys.readouterr().err
+
+
+def _cubin(sections, machine=compile_check.EM_CUDA):
+    """A minimal little-endian ELF64 holding ``sections`` ({name: bytes}) and its section-name table."""
+    import struct
+    names = [".shstrtab", *sections]
+    strtab = b"\0" + b"".join(n.encode() + b"\0" for n in names)
+    body, offsets = strtab, [64]
+    for data in sections.values():
+        offsets.append(64 + len(body))
+        body += data
+    shoff = 64 + len(body)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack(
+        "<HHIQQQIHHHHHH", 2, machine, 1, 0, 0, shoff, 0, 64, 0, 0, 64, len(names) + 1, 1)
+    table = bytes(64)  # the null section
+    for i, (n, data) in enumerate(zip(names, [strtab, *sections.values()])):
+        table += struct.pack("<IIQQQQIIQQ", strtab.index(n.encode() + b"\0"), 1, 0, 0, offsets[i], len(data),
+                             0, 0, 1, 0)
+    return header + body + table
+
+
+def test_same_code_compares_each_kernels_machine_code(tmp_path, capsys):
+    """Two files whose cubins differ in one kernel's code and in their line tables: only that kernel
+    is listed; a host ELF before the cubin is skipped; the same code gives exit 0."""
+    host = _cubin({".text.host": b"\x90" * 8}, machine=62)
+    k1, k2 = ".text._Z2k1v", ".text._Z2k2v"
+    a = _cubin({k1: b"\x01" * 16, k2: b"\x02" * 16, ".nv_debug_line_sass": b"/tmp/a/csrc"})
+    b = _cubin({k1: b"\x01" * 16, k2: b"\x03" * 16, ".nv_debug_line_sass": b"/work/b/csrc/x"})
+    same = _cubin({k1: b"\x01" * 16, k2: b"\x02" * 16, ".nv_debug_line_sass": b"elsewhere"})
+    files = {}
+    for name, cubin in (("a", a), ("b", b), ("same", same)):
+        files[name] = tmp_path / f"{name}.o"
+        files[name].write_bytes(host + b"fatbin header" + cubin + b"tail")
+    assert compile_check.kernel_code(str(files["a"])).keys() == {"_Z2k1v", "_Z2k2v"}
+    assert compile_check.same_code_report(str(files["a"]), str(files["b"])) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out if "k2" in line or "k1" in line] == ["differs"]
+    assert any("k2" in line for line in out) and out[-1] == "2 / 2 kernels, 1 with other machine code"
+    assert compile_check.same_code_report(str(files["a"]), str(files["same"])) == 0
+    (tmp_path / "none.o").write_bytes(host)
+    assert compile_check.same_code_report(str(files["a"]), str(tmp_path / "none.o")) == 2

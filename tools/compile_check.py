@@ -205,28 +205,30 @@ def kernel_code(path: str) -> Dict[str, str]:
     cubin) is keyed ``name#2`` and so on."""
     with open(path, "rb") as f:
         data = f.read()
+
+    def word(at: int, size: int) -> int:
+        return int.from_bytes(data[at:at + size], "little")
+
     code: Dict[str, str] = {}
-    at = data.find(b"\x7fELF")
-    while at >= 0:
-        elf = memoryview(data)[at:]
+    elf = data.find(b"\x7fELF")
+    while elf >= 0:
         # ELF64 little-endian header: e_machine at 18, e_shoff at 40, e_shentsize/e_shnum/e_shstrndx at 58
-        if len(elf) >= 64 and elf[4] == 2 and int.from_bytes(elf[18:20], "little") == EM_CUDA:
-            shoff = int.from_bytes(elf[40:48], "little")
-            entsize, count, strndx = (int.from_bytes(elf[58 + 2 * i:60 + 2 * i], "little") for i in range(3))
-            sections = []
-            for i in range(count):
-                h = elf[shoff + i * entsize:shoff + (i + 1) * entsize]
-                sections.append((int.from_bytes(h[0:4], "little"), int.from_bytes(h[24:32], "little"),
-                                 int.from_bytes(h[32:40], "little")))
-            names = sections[strndx][1]
-            for name_at, offset, size in sections:
-                end = bytes(elf[names + name_at:names + name_at + 4096]).split(b"\0", 1)[0].decode()
-                if end.startswith(".text."):
-                    key, n = end[len(".text."):], 2
+        if data[elf + 4:elf + 5] == b"\x02" and word(elf + 18, 2) == EM_CUDA:
+            shoff, entsize, count, strndx = word(elf + 40, 8), word(elf + 58, 2), word(elf + 60, 2), word(elf + 62, 2)
+            # (name offset, section offset, size) of each section header
+            headers = [(word(h, 4), word(h + 24, 8), word(h + 32, 8))
+                       for h in (elf + shoff + i * entsize for i in range(count))]
+            names = elf + headers[strndx][1]
+            for name_at, offset, size in headers:
+                start = names + name_at
+                name = data[start:data.index(b"\0", start)].decode()
+                if name.startswith(".text."):
+                    kernel = key = name[len(".text."):]
+                    n = 2
                     while key in code:
-                        key, n = f"{end[len('.text.'):]}#{n}", n + 1
-                    code[key] = hashlib.sha256(elf[offset:offset + size]).hexdigest()
-        at = data.find(b"\x7fELF", at + 1)
+                        key, n = f"{kernel}#{n}", n + 1
+                    code[key] = hashlib.sha256(data[elf + offset:elf + offset + size]).hexdigest()
+        elf = data.find(b"\x7fELF", elf + 1)
     return code
 
 

@@ -246,3 +246,15 @@ def test_same_code_compares_each_kernels_machine_code(tmp_path, capsys):
     assert compile_check.same_code_report(str(files["a"]), str(files["same"])) == 0
     (tmp_path / "none.o").write_bytes(host)
     assert compile_check.same_code_report(str(files["a"]), str(tmp_path / "none.o")) == 2
+
+
+def test_same_code_names_a_missing_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["compile_check", "--same-code", str(tmp_path / "a.o"), str(tmp_path / "b.o")])
+    try:
+        compile_check.main()
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("a missing file must stop the tool")
+    err = capsys.readouterr().err
+    assert "--same-code" in err and "a.o" in err and "no such file" in err
